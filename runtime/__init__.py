@@ -1,0 +1,1 @@
+"""specrl runtime: RLJob API, speculative rollout engine, GRPO training, weight sync, local mode."""
