@@ -1,0 +1,681 @@
+"""Adaptive speculation: when to speculate, how far, and with which proposer.
+
+Three layers, each a small pure object, combined by `AdaptiveController` (the engine's per-decode-step hook):
+
+(a) **System-aware toggle** (EfficientRollout's roofline toggle, DESIGN §5). A `CostModel` calibrated on the running
+    machine gives, per active batch size b, the cost of one round of speculation relative to one plain target step:
+    ``c(b, m, γ) = γ·r(b, m) + v(b, γ)`` with r the draft-step / target-step cost ratio of proposer m and v the
+    verify(γ+1 tokens) / target-step ratio. With acceptance α the expected tokens per round are
+    ``L = (1 − α^(γ+1)) / (1 − α)``, so the predicted speedup is ``L / c``. Speculate only when the best predicted
+    speedup exceeds ``1 + margin`` for the current batch size: at large batch the target step stops being
+    memory-bound, verify cost grows with γ+1 and speculation loses.
+(b) **Acceptance-aware draft length**. `AcceptanceTracker` keeps an EWMA of α per proposer from the engine's
+    accepted counts; γ is the argmax of the predicted speedup in ``[min_gamma, max_gamma]``.
+(c) **Per batch-size bucket bandit** (TLT's Bucketed ε-Greedy, "BEG"). Buckets start at the thresholds
+    (default ``[1, 2, 5, 21]``); inside a bucket, ε-greedy over (proposer, γ) arms — plain AR included, so the
+    bandit can also switch speculation off — scored by the **median measured goodput** over a sliding window.
+    Goodput is emitted tokens per second, normalised by the calibrated AR throughput of that batch size
+    (``tokens/s ÷ (b / t_AR(b))``), so steps taken at b=5 and b=20 inside one bucket are comparable; 1.0 means
+    "as fast as plain decoding". Arms never measured are scored by the cost model (a)+(b), so exploitation starts
+    where the model points and measurements correct it.
+
+Nothing here touches the engine's sampling RNG: exploration draws from the controller's own `random.Random`, so
+the choice of arm never changes the sampled tokens' distribution (speculation is lossless for any arm).
+
+The engine calls ``decide(active_batch_size) -> Decision`` before each decode step and
+``observe(decision, accepted, batch, seconds)`` after it; ``stats()`` is merged into ``engine.stats``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 5, 21)
+DEFAULT_GAMMAS: tuple[int, ...] = (2, 4, 6)
+DEFAULT_CALIBRATION_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decisions
+
+
+@dataclass(frozen=True, order=True)
+class Decision:
+    """What the next decode step does: ``method=None`` is a plain target step (γ is then 0)."""
+
+    method: str | None
+    gamma: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method is None and self.gamma != 0:
+            raise ValueError(f"Decision: gamma must be 0 for a plain step, got {self.gamma}")
+        if self.method is not None and self.gamma < 1:
+            raise ValueError(f"Decision: gamma must be >= 1 when speculating with {self.method!r}, got {self.gamma}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.method is not None
+
+    @property
+    def label(self) -> str:
+        return "ar" if self.method is None else f"{self.method}:{self.gamma}"
+
+
+AR = Decision(None, 0)
+
+
+class Controller(Protocol):
+    """The engine's per-decode-step hook."""
+
+    def decide(self, active_batch_size: int) -> Decision: ...
+
+    def observe(self, decision: Decision, accepted: int | Sequence[int], batch: int, seconds: float) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (a) the cost model
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """L = (1 − α^(γ+1)) / (1 − α): expected tokens emitted by one round with γ drafts (bonus token included)."""
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    if alpha >= 1.0 - 1e-12:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, r: float, v: float) -> float:
+    """Speedup of one speculative round over plain decoding: L / (γ·r + v)."""
+    cost = gamma * r + v
+    if cost <= 0:
+        raise ValueError(f"round cost γ·r + v must be > 0, got {cost} (r={r}, v={v}, γ={gamma})")
+    return expected_tokens_per_round(alpha, gamma) / cost
+
+
+def alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
+    """Invert E[accepted drafts] = α(1 − α^γ)/(1 − α) for α (bisection; the map is increasing in α)."""
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    target = min(max(mean_accepted, 0.0), float(gamma))
+    if target <= 0.0:
+        return 0.0
+    if target >= gamma:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens_per_round(mid, gamma) - 1.0 < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _interp(points: Mapping[int, float], x: float) -> float:
+    """Piecewise-linear in log(batch size), clamped at the ends: step costs grow smoothly with b."""
+    keys = sorted(points)
+    if not keys:
+        raise ValueError("no calibration points")
+    if x <= keys[0]:
+        return points[keys[0]]
+    if x >= keys[-1]:
+        return points[keys[-1]]
+    i = bisect.bisect_right(keys, x)
+    a, b = keys[i - 1], keys[i]
+    w = (math.log(x) - math.log(a)) / (math.log(b) - math.log(a))
+    return points[a] * (1 - w) + points[b] * w
+
+
+@dataclass
+class CostModel:
+    """Measured step costs on this machine (seconds), interpolated between calibrated batch sizes.
+
+    ``target_step[b]``: one plain decode step of the target at batch b.
+    ``verify_step[b][k]``: one target forward over k new tokens per sequence at batch b (k = γ+1 when verifying).
+    ``draft_step[m][b]``: one draft step of proposer m at batch b (0 for model-free proposers that cost ~nothing).
+    ``overhead[m][b]``: fixed per-round cost of proposer m beyond γ draft steps + verify (sampling, rollback,
+    draft catch-up), measured end to end; counted in units of target steps like r and v.
+    """
+
+    target_step: dict[int, float]
+    verify_step: dict[int, dict[int, float]]
+    draft_step: dict[str, dict[int, float]] = field(default_factory=dict)
+    overhead: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.target_step:
+            raise ValueError("CostModel.target_step: needs at least one calibrated batch size")
+        for b, t in self.target_step.items():
+            if b < 1 or not t > 0:
+                raise ValueError(f"CostModel.target_step[{b}]: batch must be >= 1 and cost > 0, got {t}")
+
+    @property
+    def methods(self) -> list[str]:
+        return sorted(self.draft_step)
+
+    def t_ar(self, batch: int) -> float:
+        return _interp(self.target_step, batch)
+
+    def v(self, batch: int, gamma: int) -> float:
+        """verify(γ+1 tokens) / target step at this batch size (linear in tokens between calibrated k)."""
+        tokens = gamma + 1
+        per_b: dict[int, float] = {}
+        for b, by_k in self.verify_step.items():
+            ks = sorted(by_k)
+            if not ks:
+                continue
+            if tokens in by_k:
+                cost = by_k[tokens]
+            elif len(ks) == 1:
+                cost = by_k[ks[0]] * tokens / ks[0]
+            else:
+                lo = max([k for k in ks if k <= tokens] or [ks[0]])
+                hi = min([k for k in ks if k >= tokens] or [ks[-1]])
+                if lo == hi:  # outside the measured range: extend the last segment linearly
+                    lo, hi = (ks[-2], ks[-1]) if tokens > ks[-1] else (ks[0], ks[1])
+                slope = (by_k[hi] - by_k[lo]) / (hi - lo)
+                cost = by_k[lo] + slope * (tokens - lo)
+            per_b[b] = cost / self.target_step.get(b, _interp(self.target_step, b))
+        if not per_b:
+            return 1.0 + 0.0 * gamma
+        return max(_interp(per_b, batch), 1e-6)
+
+    def r(self, method: str, batch: int) -> float:
+        if method not in self.draft_step:
+            raise KeyError(f"CostModel: proposer {method!r} was not calibrated (have {self.methods})")
+        ratios = {b: t / _interp(self.target_step, b) for b, t in self.draft_step[method].items()}
+        return max(_interp(ratios, batch), 0.0)
+
+    def round_overhead(self, method: str, batch: int) -> float:
+        by_b = self.overhead.get(method)
+        if not by_b:
+            return 0.0
+        ratios = {b: t / _interp(self.target_step, b) for b, t in by_b.items()}
+        return max(_interp(ratios, batch), 0.0)
+
+    def round_cost(self, method: str, gamma: int, batch: int) -> float:
+        """Cost of one speculative round in target steps: γ·r + v (+ measured per-round overhead)."""
+        return gamma * self.r(method, batch) + self.v(batch, gamma) + self.round_overhead(method, batch)
+
+    def speedup(self, method: str, gamma: int, batch: int, alpha: float) -> float:
+        return expected_tokens_per_round(alpha, gamma) / self.round_cost(method, gamma, batch)
+
+    def best_gamma(self, method: str, batch: int, alpha: float, gammas: Iterable[int]) -> tuple[int, float]:
+        """(b): the γ in `gammas` with the highest predicted speedup, and that speedup."""
+        best = max(gammas, key=lambda g: (self.speedup(method, g, batch, alpha), -g))
+        return best, self.speedup(method, best, batch, alpha)
+
+    def crossover_batch_size(self, method: str, gamma: int, alpha: float, margin: float = 0.0,
+                             max_batch: int = 4096) -> int:
+        """Largest batch size at which speculation is still predicted to win by `margin` (0 when never)."""
+        last = 0
+        for b in range(1, max_batch + 1):
+            if self.speedup(method, gamma, b, alpha) > 1.0 + margin:
+                last = b
+            elif b > max(self.target_step):
+                break
+        return last
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_step": self.target_step, "verify_step": self.verify_step,
+                "draft_step": self.draft_step, "overhead": self.overhead}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
+        def ints(d: Mapping[Any, Any]) -> dict[int, Any]:
+            return {int(k): v for k, v in d.items()}
+        return cls(target_step={int(k): float(v) for k, v in data["target_step"].items()},
+                   verify_step={int(b): {int(k): float(t) for k, t in by_k.items()}
+                                for b, by_k in data["verify_step"].items()},
+                   draft_step={m: ints(v) for m, v in data.get("draft_step", {}).items()},
+                   overhead={m: ints(v) for m, v in data.get("overhead", {}).items()})
+
+
+def toggle(model: CostModel, batch: int, alphas: Mapping[str, float], gammas: Iterable[int],
+           margin: float = 0.05) -> Decision:
+    """(a)+(b): the best (proposer, γ) by predicted speedup, or AR when nothing beats 1 + margin."""
+    gammas = list(gammas)
+    best: tuple[float, Decision] = (1.0 + margin, AR)
+    for method, alpha in sorted(alphas.items()):
+        if method not in model.draft_step:
+            continue
+        gamma, s = model.best_gamma(method, batch, alpha, gammas)
+        if s > best[0]:
+            best = (s, Decision(method, gamma))
+    return best[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (b) acceptance tracking
+
+
+class AcceptanceTracker:
+    """EWMA of the per-draft acceptance probability α, per proposer.
+
+    With per-sequence accepted counts n_i of a round with γ drafts, each sequence tried ``min(n_i + 1, γ)``
+    drafts and accepted n_i of them, so α̂ = Σn / Σtried for that round (the MLE of a truncated geometric).
+    With only a total, α is recovered from the mean by inverting E[n] = α(1 − α^γ)/(1 − α).
+    """
+
+    def __init__(self, prior: float = 0.6, decay: float = 0.9, priors: Mapping[str, float] | None = None) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"AcceptanceTracker: decay must lie in (0, 1), got {decay}")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"AcceptanceTracker: prior must lie in [0, 1], got {prior}")
+        self.prior = prior
+        self.decay = decay
+        self._alpha: dict[str, float] = dict(priors or {})
+        self.rounds: dict[str, int] = {}
+
+    def alpha(self, method: str) -> float:
+        return self._alpha.get(method, self.prior)
+
+    def alphas(self, methods: Iterable[str]) -> dict[str, float]:
+        return {m: self.alpha(m) for m in methods}
+
+    @staticmethod
+    def round_alpha(accepted: int | Sequence[int], gamma: int, batch: int) -> float:
+        if isinstance(accepted, int):
+            return alpha_from_mean_accepted(accepted / max(batch, 1), gamma)
+        counts = [min(max(int(n), 0), gamma) for n in accepted]
+        tried = sum(min(n + 1, gamma) for n in counts)
+        return sum(counts) / tried if tried else 0.0
+
+    def update(self, method: str, gamma: int, accepted: int | Sequence[int], batch: int) -> float:
+        observed = self.round_alpha(accepted, gamma, batch)
+        old = self._alpha.get(method)
+        self._alpha[method] = observed if old is None else self.decay * old + (1 - self.decay) * observed
+        self.rounds[method] = self.rounds.get(method, 0) + 1
+        return self._alpha[method]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# (c) the bucketed ε-greedy bandit
+
+
+def bucket_of(batch: int, thresholds: Sequence[int]) -> int:
+    """Index of the bucket holding `batch`: the last threshold <= batch (thresholds ascending, first = 1)."""
+    if batch < 1:
+        raise ValueError(f"active batch size must be >= 1, got {batch}")
+    return max(bisect.bisect_right(list(thresholds), batch) - 1, 0)
+
+
+class BucketedEpsilonGreedy:
+    """Per batch-size bucket, ε-greedy over arms by the median of a sliding window of rewards."""
+
+    def __init__(self, arms: Sequence[Decision], thresholds: Sequence[int] = DEFAULT_BUCKETS, epsilon: float = 0.1,
+                 window: int = 100, seed: int = 0) -> None:
+        if not arms:
+            raise ValueError("BucketedEpsilonGreedy: needs at least one arm")
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"BucketedEpsilonGreedy: epsilon must lie in [0, 1], got {epsilon}")
+        if window < 1:
+            raise ValueError(f"BucketedEpsilonGreedy: window must be >= 1, got {window}")
+        thresholds = list(thresholds)
+        if not thresholds or thresholds[0] != 1 or sorted(set(thresholds)) != thresholds:
+            raise ValueError(f"BucketedEpsilonGreedy: thresholds must be strictly ascending and start at 1, "
+                             f"got {thresholds}")
+        self.arms = list(dict.fromkeys(arms))
+        self.thresholds = thresholds
+        self.epsilon = epsilon
+        self.window = window
+        self._rng = random.Random(seed)
+        self._rewards: dict[tuple[int, Decision], deque[float]] = {}
+
+    def bucket(self, batch: int) -> int:
+        return bucket_of(batch, self.thresholds)
+
+    def bucket_label(self, index: int) -> str:
+        lo = self.thresholds[index]
+        hi = self.thresholds[index + 1] - 1 if index + 1 < len(self.thresholds) else None
+        return f"{lo}+" if hi is None else (str(lo) if hi == lo else f"{lo}-{hi}")
+
+    def score(self, bucket: int, arm: Decision) -> float | None:
+        window = self._rewards.get((bucket, arm))
+        return statistics.median(window) if window else None
+
+    def samples(self, bucket: int, arm: Decision) -> int:
+        window = self._rewards.get((bucket, arm))
+        return len(window) if window else 0
+
+    def choose(self, batch: int, prior: Callable[[Decision], float] | None = None) -> tuple[Decision, bool]:
+        """(arm, explored). Unmeasured arms are scored by `prior` (the cost model), else tried first."""
+        b = self.bucket(batch)
+        if self._rng.random() < self.epsilon:
+            return self._rng.choice(self.arms), True
+
+        def value(arm: Decision) -> float:
+            s = self.score(b, arm)
+            if s is not None:
+                return s
+            return prior(arm) if prior is not None else math.inf
+
+        return max(self.arms, key=lambda a: (value(a), a.method is None, -a.gamma)), False
+
+    def update(self, batch: int, arm: Decision, reward: float) -> None:
+        key = (self.bucket(batch), arm)
+        if key not in self._rewards:
+            self._rewards[key] = deque(maxlen=self.window)
+        self._rewards[key].append(float(reward))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the controller
+
+
+@dataclass
+class AdaptiveSettings:
+    """Knobs of the controller (the RLJob's ``spec.speculative.adaptive`` is mapped onto these)."""
+
+    enabled: bool = True
+    mode: str = "bandit"  # "bandit": (a)+(b)+(c); "cost_model": (a)+(b) only
+    margin: float = 0.05
+    min_gamma: int = 1
+    max_gamma: int = 8
+    gammas: tuple[int, ...] | None = None  # bandit arms; default: DEFAULT_GAMMAS clipped to [min, max]
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    epsilon: float = 0.1
+    window: int = 100
+    ewma_decay: float = 0.9
+    prior_alpha: float = 0.6
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("bandit", "cost_model"):
+            raise ValueError(f"adaptive.mode: must be 'bandit' or 'cost_model', got {self.mode!r}")
+        if self.min_gamma < 1 or self.max_gamma < self.min_gamma:
+            raise ValueError(f"adaptive.minGamma/maxGamma: need 1 <= min <= max, got {self.min_gamma}, "
+                             f"{self.max_gamma}")
+        if self.margin < 0:
+            raise ValueError(f"adaptive.margin: must be >= 0, got {self.margin}")
+
+    def gamma_range(self) -> list[int]:
+        return list(range(self.min_gamma, self.max_gamma + 1))
+
+    def arm_gammas(self) -> list[int]:
+        if self.gammas:
+            bad = [g for g in self.gammas if not self.min_gamma <= g <= self.max_gamma]
+            if bad:
+                raise ValueError(f"adaptive.gammas: {bad} outside [minGamma, maxGamma] = "
+                                 f"[{self.min_gamma}, {self.max_gamma}]")
+            return sorted(set(self.gammas))
+        clipped = sorted({min(max(g, self.min_gamma), self.max_gamma) for g in DEFAULT_GAMMAS})
+        return clipped
+
+
+class FixedController:
+    """Always the same decision (benchmarks, calibration, and the engine's non-adaptive mode)."""
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        self.steps = 0
+        self.seconds = 0.0
+        self.emitted = 0
+
+    def decide(self, active_batch_size: int) -> Decision:
+        return self.decision
+
+    def observe(self, decision: Decision, accepted: int | Sequence[int], batch: int, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.emitted += _emitted(decision, accepted, batch)
+
+    def stats(self) -> dict[str, Any]:
+        return {"adaptive": False, "decision": self.decision.label, "steps": self.steps}
+
+
+def _emitted(decision: Decision, accepted: int | Sequence[int], batch: int) -> int:
+    """Tokens the step emitted: one per sequence (bonus / residual / plain) plus the accepted drafts."""
+    if decision.method is None:
+        return batch
+    total = accepted if isinstance(accepted, int) else sum(int(n) for n in accepted)
+    return batch + int(total)
+
+
+class AdaptiveController:
+    """(a) toggle + (b) draft length + (c) bucketed bandit; see the module docstring.
+
+    `methods` are the proposers the engine can run; `cost_model` comes from `calibrate(...)`. Without a cost model
+    the controller is a plain bandit whose untried arms are tried first.
+    """
+
+    def __init__(self, methods: Sequence[str], cost_model: CostModel | None = None,
+                 settings: AdaptiveSettings | None = None, metrics: Any | None = None,
+                 alpha_priors: Mapping[str, float] | None = None) -> None:
+        self.settings = settings or AdaptiveSettings()
+        self.methods = list(dict.fromkeys(m for m in methods if m and m != "none"))
+        self.cost_model = cost_model
+        self.metrics = metrics
+        s = self.settings
+        self.acceptance = AcceptanceTracker(prior=s.prior_alpha, decay=s.ewma_decay, priors=alpha_priors)
+        arms = [AR] + [Decision(m, g) for m in self.methods for g in s.arm_gammas()]
+        self.bandit = BucketedEpsilonGreedy(arms, thresholds=s.buckets, epsilon=s.epsilon, window=s.window,
+                                            seed=s.seed)
+        self.current: Decision = AR
+        self._counts: dict[str, dict[str, int]] = {}
+        self.steps = 0
+        self.sd_steps = 0
+        self.explored = 0
+        self._last_choice_explored = False
+
+    # -- decisions ------------------------------------------------------------------------------------------
+
+    def predicted(self, arm: Decision, batch: int) -> float:
+        """The cost model's relative goodput for `arm` at `batch` (1.0 = plain decoding)."""
+        if arm.method is None or self.cost_model is None:
+            return 1.0
+        if arm.method not in self.cost_model.draft_step:
+            return 0.0
+        return self.cost_model.speedup(arm.method, arm.gamma, batch, self.acceptance.alpha(arm.method))
+
+    def decide(self, active_batch_size: int) -> Decision:
+        s = self.settings
+        explored = False
+        if not s.enabled or not self.methods or active_batch_size < 1:
+            decision = AR
+        elif s.mode == "cost_model":
+            if self.cost_model is None:
+                raise ValueError("adaptive.mode 'cost_model' needs a calibrated CostModel")
+            decision = toggle(self.cost_model, active_batch_size, self.acceptance.alphas(self.methods),
+                              s.gamma_range(), margin=s.margin)
+        else:
+            def prior(arm: Decision) -> float:
+                value = self.predicted(arm, active_batch_size)
+                # The toggle's margin applies to predictions only: a measured win is a win.
+                return value if arm.method is None else value / (1.0 + s.margin)
+            decision, explored = self.bandit.choose(active_batch_size,
+                                                    prior if self.cost_model is not None else None)
+        self.current = decision
+        self._last_choice_explored = explored
+        self._record(active_batch_size, decision, explored)
+        return decision
+
+    def observe(self, decision: Decision, accepted: int | Sequence[int], batch: int, seconds: float) -> None:
+        if batch < 1 or seconds <= 0:
+            return
+        if decision.method is not None:
+            self.acceptance.update(decision.method, decision.gamma, accepted, batch)
+        tokens_per_s = _emitted(decision, accepted, batch) / seconds
+        if self.cost_model is not None:
+            reward = tokens_per_s * self.cost_model.t_ar(batch) / batch
+        else:
+            reward = tokens_per_s
+        self.bandit.update(batch, decision, reward)
+
+    # -- visibility -----------------------------------------------------------------------------------------
+
+    def _record(self, batch: int, decision: Decision, explored: bool) -> None:
+        label = self.bandit.bucket_label(self.bandit.bucket(batch))
+        per = self._counts.setdefault(label, {})
+        per[decision.label] = per.get(decision.label, 0) + 1
+        self.steps += 1
+        self.sd_steps += int(decision.speculative)
+        self.explored += int(explored)
+        if self.metrics is not None:
+            self.metrics.spec_decode_enabled.set(1 if decision.speculative else 0)
+            self.metrics.spec_decode_draft_length.set(decision.gamma)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "adaptive": True,
+            "mode": self.settings.mode,
+            "current_method": self.current.method,
+            "current_gamma": self.current.gamma,
+            "sd_enabled": self.current.speculative,
+            "sd_share": self.sd_steps / self.steps if self.steps else 0.0,
+            "steps": self.steps,
+            "explored_steps": self.explored,
+            "decisions_by_bucket": {k: dict(v) for k, v in self._counts.items()},
+            "alpha": {m: round(self.acceptance.alpha(m), 4) for m in self.methods},
+            "scores_by_bucket": {
+                self.bandit.bucket_label(i): {
+                    arm.label: round(score, 4) for arm in self.bandit.arms
+                    if (score := self.bandit.score(i, arm)) is not None}
+                for i in range(len(self.bandit.thresholds))},
+        }
+
+    def per_batch_size_gamma(self, max_batch: int = 256) -> list[list[int]]:
+        """vLLM's ``num_speculative_tokens_per_batch_size`` ([[start_bs, end_bs, K], ...], inclusive, K=0 off)
+        derived from the toggle's decisions with the current acceptance estimates."""
+        if self.cost_model is None or not self.methods:
+            return [[1, max_batch, 0]]
+        ranges: list[list[int]] = []
+        for b in range(1, max_batch + 1):
+            d = toggle(self.cost_model, b, self.acceptance.alphas(self.methods), self.settings.gamma_range(),
+                       margin=self.settings.margin)
+            if ranges and ranges[-1][2] == d.gamma:
+                ranges[-1][1] = b
+            else:
+                ranges.append([b, b, d.gamma])
+        return ranges
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# building a controller from the RLJob
+
+
+_SETTING_FIELDS: dict[str, tuple[str, ...]] = {
+    "enabled": ("enabled",),
+    "mode": ("mode", "policy"),
+    "margin": ("margin", "toggle_margin"),
+    "min_gamma": ("min_gamma", "min_draft_length", "min_speculative_tokens"),
+    "max_gamma": ("max_gamma", "max_draft_length", "max_speculative_tokens"),
+    "gammas": ("gammas", "draft_lengths"),
+    "buckets": ("buckets", "batch_size_buckets", "bucket_thresholds"),
+    "epsilon": ("epsilon",),
+    "window": ("window",),
+    "ewma_decay": ("ewma_decay", "acceptance_decay"),
+    "seed": ("seed",),
+}
+
+
+def settings_from_spec(adaptive: Any) -> AdaptiveSettings:
+    """Map the RLJob's ``spec.speculative.adaptive`` (a pydantic model or a plain mapping) onto the settings.
+
+    A missing section (None) or ``True`` gives the defaults; ``False`` disables adaptation.
+    """
+    if adaptive is None or adaptive is True:
+        return AdaptiveSettings()
+    if adaptive is False:
+        return AdaptiveSettings(enabled=False)
+    if hasattr(adaptive, "model_dump"):
+        data = adaptive.model_dump()
+    elif isinstance(adaptive, Mapping):
+        data = dict(adaptive)
+    else:
+        raise ValueError(f"spec.speculative.adaptive: expected a mapping, got {type(adaptive).__name__}")
+    # camelCase keys (raw YAML) are accepted too
+    norm = {"".join("_" + c.lower() if c.isupper() else c for c in k): v for k, v in data.items()}
+    kwargs: dict[str, Any] = {}
+    for target, names in _SETTING_FIELDS.items():
+        for name in names:
+            if norm.get(name) is not None:
+                value = norm[name]
+                kwargs[target] = tuple(value) if target in ("gammas", "buckets") else value
+                break
+    try:
+        return AdaptiveSettings(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"spec.speculative.adaptive: {exc}") from None
+
+
+def controller_from_spec(speculative: Any, cost_model: CostModel | None = None, metrics: Any | None = None,
+                         methods: Sequence[str] | None = None) -> AdaptiveController:
+    """An `AdaptiveController` for the RLJob's ``spec.speculative`` section (method + adaptive settings)."""
+    adaptive = getattr(speculative, "adaptive", None)
+    if adaptive is None and isinstance(speculative, Mapping):
+        adaptive = speculative.get("adaptive")
+    settings = settings_from_spec(adaptive)
+    if methods is None:
+        method = getattr(speculative, "method", None)
+        if method is None and isinstance(speculative, Mapping):
+            method = speculative.get("method")
+        methods = [method] if method and method != "none" else []
+        extra = getattr(speculative, "proposers", None) or (
+            speculative.get("proposers") if isinstance(speculative, Mapping) else None)
+        if extra:
+            methods = list(dict.fromkeys([*methods, *extra]))
+    n = getattr(speculative, "num_speculative_tokens", None)
+    if n is None and isinstance(speculative, Mapping):
+        n = speculative.get("num_speculative_tokens", speculative.get("numSpeculativeTokens"))
+    if n and settings.gammas is None and not (adaptive and _has_any(adaptive, ("max_gamma", "maxGamma"))):
+        settings.max_gamma = max(settings.max_gamma, int(n))
+    return AdaptiveController(methods, cost_model=cost_model, settings=settings, metrics=metrics)
+
+
+def _has_any(obj: Any, names: Iterable[str]) -> bool:
+    for name in names:
+        if (isinstance(obj, Mapping) and obj.get(name) is not None) or getattr(obj, name, None) is not None:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# calibration
+
+
+StepTimer = Callable[[int, int], float]  # (batch, tokens per sequence) -> seconds of one forward
+
+
+def calibrate_from_timers(target: StepTimer, drafts: Mapping[str, Callable[[int], float]],
+                          batch_sizes: Sequence[int] = DEFAULT_CALIBRATION_BATCH_SIZES,
+                          verify_tokens: Sequence[int] = (1, 3, 5, 7), repeats: int = 5) -> CostModel:
+    """Build a `CostModel` from timing callables (median of `repeats` calls after one warm-up call each)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+
+    def med(fn: Callable[[], float]) -> float:
+        fn()
+        return statistics.median(fn() for _ in range(repeats))
+
+    target_step: dict[int, float] = {}
+    verify: dict[int, dict[int, float]] = {}
+    draft: dict[str, dict[int, float]] = {m: {} for m in drafts}
+    for b in batch_sizes:
+        verify[b] = {k: med(lambda k=k: target(b, k)) for k in sorted(set(verify_tokens) | {1})}
+        target_step[b] = verify[b][1]
+        for m, timer in drafts.items():
+            draft[m][b] = med(lambda timer=timer: timer(b))
+    return CostModel(target_step=target_step, verify_step=verify, draft_step=draft)
+
+
+def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> float:
+    """Wall seconds of one call of `fn` (with a device sync before and after when given)."""
+    if sync:
+        sync()
+    start = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - start

@@ -1,0 +1,263 @@
+"""Adaptive speculation: cost model math, toggle, draft length, acceptance tracking, bucketed bandit."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from specrl.runtime.engine.adaptive import (
+    AR,
+    AcceptanceTracker,
+    AdaptiveController,
+    AdaptiveSettings,
+    BucketedEpsilonGreedy,
+    CostModel,
+    Decision,
+    alpha_from_mean_accepted,
+    bucket_of,
+    calibrate_from_timers,
+    controller_from_spec,
+    expected_tokens_per_round,
+    predicted_speedup,
+    settings_from_spec,
+    toggle,
+)
+
+
+def memory_bound_model() -> CostModel:
+    """A machine like the CPU measured in TESTING.md: verifying is cheap at batch 1, costly at batch 16."""
+    target = {1: 7.3e-3, 16: 20.8e-3, 64: 60e-3}
+    verify = {1: {1: 7.3e-3, 5: 7.3e-3 * 1.57}, 16: {1: 20.8e-3, 5: 20.8e-3 * 2.17}, 64: {1: 60e-3, 5: 60e-3 * 4.8}}
+    draft = {"draft_model": {b: 0.06 * t for b, t in target.items()}, "ngram": {b: 0.0 for b in target}}
+    return CostModel(target_step=target, verify_step=verify, draft_step=draft)
+
+
+def test_expected_tokens_per_round_matches_the_geometric_sum() -> None:
+    for alpha in (0.0, 0.3, 0.75, 0.95):
+        for gamma in range(0, 7):
+            assert expected_tokens_per_round(alpha, gamma) == pytest.approx(sum(alpha**i for i in range(gamma + 1)))
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    with pytest.raises(ValueError, match="alpha"):
+        expected_tokens_per_round(1.5, 2)
+
+
+def test_predicted_speedup_reproduces_the_testing_note_numbers() -> None:
+    # TESTING.md: γ=4, r=0.06, v=1.57 at batch 1 -> 1.6× at α=0.75 and 2.0× at α=0.85
+    assert predicted_speedup(0.75, 4, 0.06, 1.57) == pytest.approx(1.68, abs=0.05)
+    assert predicted_speedup(0.85, 4, 0.06, 1.57) == pytest.approx(2.0, abs=0.1)
+    model = memory_bound_model()
+    assert model.v(1, 4) == pytest.approx(1.57)
+    assert model.r("draft_model", 1) == pytest.approx(0.06)
+    assert model.speedup("draft_model", 4, 1, 0.85) == pytest.approx(predicted_speedup(0.85, 4, 0.06, 1.57))
+    # verify cost between calibrated token counts is linear in tokens
+    assert model.v(1, 2) == pytest.approx(1 + 0.57 * 2 / 4)
+
+
+def test_alpha_inversion_roundtrips() -> None:
+    for alpha in (0.1, 0.5, 0.8, 0.97):
+        for gamma in (1, 3, 6):
+            mean = expected_tokens_per_round(alpha, gamma) - 1
+            assert alpha_from_mean_accepted(mean, gamma) == pytest.approx(alpha, abs=1e-6)
+    assert alpha_from_mean_accepted(0, 4) == 0.0
+    assert alpha_from_mean_accepted(4, 4) == 1.0
+
+
+def test_toggle_speculates_at_small_batch_and_not_at_large() -> None:
+    model = memory_bound_model()
+    on = toggle(model, 1, {"draft_model": 0.85}, range(1, 9))
+    assert on.method == "draft_model" and on.gamma >= 3
+    assert toggle(model, 16, {"draft_model": 0.3}, range(1, 9)) == AR
+    assert toggle(model, 64, {"draft_model": 0.85}, range(1, 9)) == AR
+    # low acceptance: never worth it, even at batch 1
+    assert toggle(model, 1, {"draft_model": 0.05}, range(1, 9)) == AR
+    # the margin matters: a predicted 1.03× gain is not taken with a 5% margin
+    flat = CostModel(target_step={1: 1.0}, verify_step={1: {1: 1.0, 2: 1.0}}, draft_step={"ngram": {1: 0.0}})
+    alpha = 0.03  # L(γ=1) = 1.03
+    assert toggle(flat, 1, {"ngram": alpha}, [1], margin=0.05) == AR
+    assert toggle(flat, 1, {"ngram": alpha}, [1], margin=0.0) == Decision("ngram", 1)
+    crossover = model.crossover_batch_size("draft_model", 4, 0.8, margin=0.05)
+    assert 1 <= crossover < 64
+
+
+def test_draft_length_grows_with_acceptance() -> None:
+    model = memory_bound_model()
+    gammas = range(1, 11)
+    chosen = [model.best_gamma("draft_model", 1, a, gammas)[0] for a in (0.5, 0.7, 0.85, 0.95)]
+    assert chosen == sorted(chosen) and chosen[0] < chosen[-1]
+    g, s = model.best_gamma("draft_model", 1, 0.85, gammas)
+    assert all(model.speedup("draft_model", k, 1, 0.85) <= s + 1e-12 for k in gammas)
+
+
+def test_acceptance_tracker_mle_and_ewma() -> None:
+    # γ=4: sequence accepts 4 (tried 4), 1 (tried 2), 0 (tried 1) -> α = 5/7
+    assert AcceptanceTracker.round_alpha([4, 1, 0], 4, 3) == pytest.approx(5 / 7)
+    tracker = AcceptanceTracker(prior=0.5, decay=0.5)
+    assert tracker.alpha("ngram") == 0.5
+    tracker.update("ngram", 4, [4, 4], 2)
+    assert tracker.alpha("ngram") == 1.0  # first observation replaces the prior
+    tracker.update("ngram", 4, [0, 0], 2)
+    assert tracker.alpha("ngram") == pytest.approx(0.5)
+    # a total count is inverted through E[n]
+    rng = random.Random(0)
+    alpha, gamma, batch = 0.7, 4, 4000
+    counts = []
+    for _ in range(batch):
+        n = 0
+        while n < gamma and rng.random() < alpha:
+            n += 1
+        counts.append(n)
+    assert AcceptanceTracker.round_alpha(counts, gamma, batch) == pytest.approx(alpha, abs=0.02)
+    assert AcceptanceTracker.round_alpha(sum(counts), gamma, batch) == pytest.approx(alpha, abs=0.02)
+
+
+def test_buckets() -> None:
+    assert [bucket_of(b, [1, 2, 5, 21]) for b in (1, 2, 3, 4, 5, 20, 21, 500)] == [0, 1, 1, 1, 2, 2, 3, 3]
+    bandit = BucketedEpsilonGreedy([AR], thresholds=[1, 2, 5, 21])
+    assert [bandit.bucket_label(i) for i in range(4)] == ["1", "2-4", "5-20", "21+"]
+    with pytest.raises(ValueError, match="thresholds"):
+        BucketedEpsilonGreedy([AR], thresholds=[2, 5])
+    with pytest.raises(ValueError, match="batch"):
+        bucket_of(0, [1, 2])
+
+
+def test_bandit_exploits_the_best_arm_and_explores() -> None:
+    arms = [AR, Decision("ngram", 2), Decision("draft_model", 4)]
+    truth = {AR: 1.0, arms[1]: 1.2, arms[2]: 1.6}
+    bandit = BucketedEpsilonGreedy(arms, epsilon=0.1, window=50, seed=1)
+    rng = random.Random(2)
+    picks: Counter[Decision] = Counter()
+    explored = 0
+    for _ in range(2000):
+        arm, exp = bandit.choose(1)
+        picks[arm] += 1
+        explored += exp
+        bandit.update(1, arm, truth[arm] + rng.gauss(0, 0.1))
+    assert picks[arms[2]] / 2000 > 0.85
+    assert all(picks[a] > 20 for a in arms)  # every arm keeps being explored
+    assert 0.06 < explored / 2000 < 0.14
+
+
+def test_bandit_learns_per_bucket() -> None:
+    arms = [AR, Decision("draft_model", 4)]
+    bandit = BucketedEpsilonGreedy(arms, epsilon=0.1, window=30, seed=3)
+    truth = {(0, AR): 1.0, (0, arms[1]): 1.8, (3, AR): 1.0, (3, arms[1]): 0.7}
+    for _ in range(600):
+        for batch in (1, 32):
+            arm, _ = bandit.choose(batch)
+            bandit.update(batch, arm, truth[(bandit.bucket(batch), arm)])
+    greedy = BucketedEpsilonGreedy(arms, epsilon=0.0)
+    greedy._rewards = bandit._rewards  # same measurements, no exploration
+    assert greedy.choose(1)[0] == arms[1]
+    assert greedy.choose(32)[0] == AR
+
+
+def test_median_resists_outliers() -> None:
+    bandit = BucketedEpsilonGreedy([AR, Decision("ngram", 2)], epsilon=0.0, window=5)
+    for value in (1.0, 1.0, 1.0, 1.0, 50.0):  # one stalled-clock outlier
+        bandit.update(1, AR, value)
+    for _ in range(5):
+        bandit.update(1, Decision("ngram", 2), 1.3)
+    assert bandit.choose(1)[0] == Decision("ngram", 2)
+
+
+def _simulate(controller: AdaptiveController, truth: dict[tuple[int, Decision], float], batch: int,
+              steps: int, t_ar: float) -> float:
+    """Drive the controller on a simulated machine; return tokens/s achieved."""
+    rng = random.Random(7)
+    tokens = 0.0
+    seconds = 0.0
+    for _ in range(steps):
+        d = controller.decide(batch)
+        speed = truth.get((batch, d), 0.5)
+        # emitted tokens per sequence and step time consistent with `speed` (relative goodput)
+        per_seq = 1 + (d.gamma * 0.6 if d.method else 0)
+        step = per_seq * t_ar / speed * (1 + rng.gauss(0, 0.03))
+        accepted = round((per_seq - 1) * batch)
+        controller.observe(d, accepted, batch, step)
+        tokens += per_seq * batch
+        seconds += step
+    return tokens / seconds
+
+
+def test_controller_stays_within_five_percent_of_the_best_arm() -> None:
+    model = memory_bound_model()
+    arms = [AR, Decision("draft_model", 2), Decision("draft_model", 4), Decision("draft_model", 6)]
+    # measured truth disagrees with the model at batch 16 (SD still wins a little) and at batch 1 (γ=6 best)
+    truth = {(1, AR): 1.0, (1, arms[1]): 1.4, (1, arms[2]): 1.7, (1, arms[3]): 1.9,
+             (16, AR): 1.0, (16, arms[1]): 1.1, (16, arms[2]): 0.9, (16, arms[3]): 0.7}
+    for batch in (1, 16):
+        ctrl = AdaptiveController(["draft_model"], cost_model=model,
+                                  settings=AdaptiveSettings(epsilon=0.05, window=50, seed=batch))
+        achieved = _simulate(ctrl, truth, batch, 3000, model.t_ar(batch))
+        best = max(v for (b, _), v in truth.items() if b == batch) * batch / model.t_ar(batch)
+        assert achieved >= 0.95 * best * 0.97, (batch, achieved / best, ctrl.stats())
+
+
+def test_controller_cold_start_follows_the_cost_model_and_reports_stats() -> None:
+    from specrl.runtime.metrics import RuntimeMetrics
+
+    metrics = RuntimeMetrics(job="j", namespace="n", role="rollout", worker="j-rollout-0")
+    model = memory_bound_model()
+    ctrl = AdaptiveController(["draft_model"], cost_model=model, metrics=metrics,
+                              settings=AdaptiveSettings(epsilon=0.0), alpha_priors={"draft_model": 0.85})
+    d1 = ctrl.decide(1)
+    assert d1.method == "draft_model"
+    assert metrics.spec_decode_enabled._value.get() == 1
+    assert metrics.spec_decode_draft_length._value.get() == d1.gamma
+    d64 = ctrl.decide(64)
+    assert d64 == AR
+    assert metrics.spec_decode_enabled._value.get() == 0
+    stats = ctrl.stats()
+    assert stats["decisions_by_bucket"] == {"1": {d1.label: 1}, "21+": {"ar": 1}}
+    assert stats["sd_share"] == 0.5 and stats["current_gamma"] == 0
+    ctrl.observe(d1, [d1.gamma, 0], 2, 0.01)
+    assert "draft_model" in stats["alpha"]
+
+
+def test_cost_model_mode_and_per_batch_size_table() -> None:
+    model = memory_bound_model()
+    ctrl = AdaptiveController(["draft_model"], cost_model=model, settings=AdaptiveSettings(mode="cost_model"),
+                              alpha_priors={"draft_model": 0.85})
+    assert ctrl.decide(1).method == "draft_model"
+    assert ctrl.decide(64) == AR
+    table = ctrl.per_batch_size_gamma(max_batch=64)
+    assert table[0][0] == 1 and table[-1][1] == 64 and table[-1][2] == 0
+    assert table[0][2] > 0
+    for (s0, e0, _), (s1, _, _) in zip(table, table[1:]):
+        assert s1 == e0 + 1
+
+
+def test_disabled_or_no_methods_means_plain_decoding() -> None:
+    assert AdaptiveController([], cost_model=memory_bound_model()).decide(1) == AR
+    ctrl = AdaptiveController(["ngram"], settings=AdaptiveSettings(enabled=False))
+    assert all(ctrl.decide(b) == AR for b in (1, 2, 30))
+
+
+def test_settings_from_the_rljob_section() -> None:
+    s = settings_from_spec({"margin": 0.1, "maxGamma": 6, "buckets": [1, 4, 16], "epsilon": 0.2})
+    assert (s.margin, s.max_gamma, s.buckets, s.epsilon) == (0.1, 6, (1, 4, 16), 0.2)
+    assert settings_from_spec(None) == AdaptiveSettings()
+    assert settings_from_spec(False).enabled is False
+    with pytest.raises(ValueError, match="spec.speculative.adaptive"):
+        settings_from_spec({"mode": "magic"})
+    with pytest.raises(ValueError, match="minGamma"):
+        settings_from_spec({"minGamma": 5, "maxGamma": 2})
+    ctrl = controller_from_spec({"method": "draft_model", "numSpeculativeTokens": 10, "adaptive": {"epsilon": 0.0}})
+    assert ctrl.methods == ["draft_model"] and ctrl.settings.max_gamma == 10
+
+
+def test_calibrate_from_timers_builds_a_consistent_model() -> None:
+    def target(batch: int, tokens: int) -> float:
+        return 1e-3 * (1 + 0.02 * batch * tokens)
+
+    model = calibrate_from_timers(target, {"ngram": lambda b: 1e-5}, batch_sizes=(1, 8), verify_tokens=(1, 3),
+                                  repeats=2)
+    assert model.t_ar(1) == pytest.approx(1.02e-3)
+    assert model.v(8, 2) == pytest.approx(target(8, 3) / target(8, 1))
+    assert model.r("ngram", 1) == pytest.approx(1e-5 / 1.02e-3)
+    again = CostModel.from_dict(model.to_dict())
+    assert again.v(4, 4) == pytest.approx(model.v(4, 4))
+    assert math.isfinite(again.speedup("ngram", 3, 3, 0.5))
