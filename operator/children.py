@@ -1,0 +1,448 @@
+"""Desired child objects of an RLJob, as plain manifests (pure: no I/O, no clock, no randomness).
+
+One RLJob ``J`` in namespace ``N`` owns:
+
+* ConfigMap ``J-config`` — ``job.yaml``, the resolved job (defaults filled in) that every pod reads;
+* Secret ``J-token`` — ``token``, the bearer token for the coordinator's ``POST /drain``;
+* Service ``J-workers`` — headless, selects every pod of the job, gives each pod a stable DNS name
+  ``<pod>.J-workers.N.svc`` for Ray and torch.distributed rendezvous;
+* Service ``J-coordinator`` — ports ``http`` 8000, ``ray`` 6379 (GCS) and ``metrics``;
+* Pod ``J-coordinator-0`` and pods ``J-trainer-<i>``, ``J-rollout-<i>`` — single pods rather than a
+  Deployment, so that one named worker can be drained and removed (as KubeRay does).
+
+Every object carries an ownerReference to the RLJob (garbage collection on delete), the
+``app.kubernetes.io/*`` labels and ``specrl.io/job`` / ``specrl.io/role``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+API_VERSION = "specrl.io/v1alpha1"
+KIND = "RLJob"
+CONFIG_MOUNT = "/etc/specrl"
+CONFIG_FILE = f"{CONFIG_MOUNT}/job.yaml"
+CACHE_MOUNT = "/var/cache/specrl"
+HTTP_PORT = 8000
+RAY_PORT = 6379
+METRICS_PORT = 9090
+SYNC_PORT = 29500
+GPU_RESOURCE = "nvidia.com/gpu"
+WORKER_ROLES = ("trainer", "rollout")
+ALL_ROLES = ("coordinator", *WORKER_ROLES)
+
+LABEL_JOB = "specrl.io/job"
+LABEL_ROLE = "specrl.io/role"
+LABEL_INDEX = "specrl.io/worker-index"
+ANNOTATION_CONFIG_HASH = "specrl.io/config-hash"
+MANAGED_BY = "specrl-operator"
+
+# Restricted Pod Security Standard: every field the "restricted" profile checks.
+POD_SECURITY_CONTEXT: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "runAsGroup": 1000,
+    "fsGroup": 1000,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "privileged": False,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The RLJob as an owner: enough to build ownerReferences and names."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Owner:
+        meta = body.get("metadata", {})
+        return cls(name=str(meta["name"]), namespace=str(meta.get("namespace") or "default"), uid=str(meta.get("uid", "")))
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+# ---- names --------------------------------------------------------------------------------------
+
+def pod_name(job: str, role: str, index: int) -> str:
+    return f"{job}-{role}-{index}"
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def secret_name(job: str) -> str:
+    return f"{job}-token"
+
+
+def headless_service_name(job: str) -> str:
+    return f"{job}-workers"
+
+
+def coordinator_service_name(job: str) -> str:
+    return f"{job}-coordinator"
+
+
+def parse_pod_name(job: str, name: str) -> tuple[str, int] | None:
+    """``(role, index)`` for a pod named ``{job}-{role}-{index}``, else None."""
+    for role in ALL_ROLES:
+        prefix = f"{job}-{role}-"
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            return role, int(name[len(prefix):])
+    return None
+
+
+def plan_indexes(replicas: int, existing: Iterable[int]) -> list[int]:
+    """Indexes the role should have: keep the lowest existing ones, fill up with the smallest free ones.
+
+    Keeping existing pods (never renumbering) is what makes convergence level-based and stable:
+    the same observed pods and replica count always give the same plan, and a surplus is removed
+    from the highest index down, matching the rebalancer's victim choice.
+    """
+    have = sorted(set(existing))
+    keep = have[:replicas]
+    taken = set(have)
+    out = list(keep)
+    i = 0
+    while len(out) < replicas:
+        if i not in taken:
+            out.append(i)
+            taken.add(i)
+        i += 1
+    return sorted(out)
+
+
+def next_free_index(existing: Iterable[int]) -> int:
+    taken = set(existing)
+    i = 0
+    while i in taken:
+        i += 1
+    return i
+
+
+# ---- spec accessors (tolerant to optional sub-objects) ----------------------------------------
+
+def _get(obj: Any, *path: str, default: Any = None) -> Any:
+    for name in path:
+        if obj is None:
+            return default
+        obj = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+    return default if obj is None else obj
+
+
+def _plain(value: Any) -> Any:
+    """Pydantic models / enums -> JSON-ready data with camelCase keys."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump(by_alias=True, mode="json", exclude_none=True)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return getattr(value, "value", value)
+
+
+def spec_dict(job: Any) -> dict[str, Any]:
+    return _plain(job.spec)
+
+
+def image_of(job: Any) -> str:
+    return str(_get(job.spec, "resources", "image"))
+
+
+def gpus_per_pod(job: Any) -> int:
+    return int(_get(job.spec, "resources", "gpus_per_pod", default=1))
+
+
+def role_replicas(job: Any, role: str) -> int:
+    return int(_get(job.spec, "resources", role, "replicas", default=1))
+
+
+def role_bounds(job: Any, role: str) -> tuple[int, int]:
+    rep = role_replicas(job, role)
+    lo = int(_get(job.spec, "resources", role, "min_replicas", default=rep))
+    hi = int(_get(job.spec, "resources", role, "max_replicas", default=rep))
+    return lo, hi
+
+
+# ---- manifests ----------------------------------------------------------------------------------
+
+def labels(owner: Owner, role: str | None = None) -> dict[str, str]:
+    out = {
+        "app.kubernetes.io/name": "specrl",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/part-of": "specrl",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_JOB: owner.name,
+    }
+    if role is not None:
+        out["app.kubernetes.io/component"] = role
+        out[LABEL_ROLE] = role
+    return out
+
+
+def _meta(owner: Owner, name: str, role: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner, role),
+        "ownerReferences": [owner.reference()],
+    }
+
+
+def resolved_job(job: Any, owner: Owner) -> dict[str, Any]:
+    """The job as every pod reads it: the full spec with defaults filled in."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": owner.name, "namespace": owner.namespace},
+        "spec": spec_dict(job),
+    }
+
+
+def config_text(job: Any, owner: Owner) -> str:
+    return yaml.safe_dump(resolved_job(job, owner), sort_keys=False)
+
+
+def config_hash(job: Any, owner: Owner) -> str:
+    return hashlib.sha256(config_text(job, owner).encode()).hexdigest()[:16]
+
+
+def config_map(job: Any, owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, config_map_name(owner.name)),
+        "data": {"job.yaml": config_text(job, owner)},
+    }
+
+
+def secret(owner: Owner, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(owner, secret_name(owner.name)),
+        "stringData": {"token": token},
+    }
+
+
+def headless_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, headless_service_name(owner.name)),
+        "spec": {
+            "clusterIP": "None",
+            # Rendezvous must resolve peers before they pass readiness.
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: owner.name},
+            "ports": [
+                {"name": "sync", "port": SYNC_PORT, "targetPort": SYNC_PORT, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def coordinator_service(owner: Owner) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, coordinator_service_name(owner.name), "coordinator"),
+        "spec": {
+            "selector": {LABEL_JOB: owner.name, LABEL_ROLE: "coordinator"},
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": HTTP_PORT, "protocol": "TCP"},
+                {"name": "ray", "port": RAY_PORT, "targetPort": RAY_PORT, "protocol": "TCP"},
+                # The coordinator serves Prometheus text on its HTTP port (GET /metrics).
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": HTTP_PORT, "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _env(owner: Owner, role: str, index: int) -> list[dict[str, Any]]:
+    job, ns = owner.name, owner.namespace
+    coord = f"{coordinator_service_name(job)}.{ns}.svc"
+    sync_master = f"{pod_name(job, 'trainer', 0)}.{headless_service_name(job)}.{ns}.svc"
+    return [
+        {"name": "SPECRL_JOB", "value": job},
+        {"name": "SPECRL_NAMESPACE", "value": ns},
+        {"name": "SPECRL_ROLE", "value": role},
+        {"name": "SPECRL_WORKER", "value": pod_name(job, role, index)},
+        {"name": "SPECRL_WORKER_INDEX", "value": str(index)},
+        {"name": "SPECRL_CONFIG", "value": CONFIG_FILE},
+        {"name": "SPECRL_COORDINATOR_ADDR", "value": f"{coord}:{HTTP_PORT}"},
+        {"name": "SPECRL_RAY_ADDRESS", "value": f"{coord}:{RAY_PORT}"},
+        {
+            "name": "SPECRL_COORDINATOR_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": secret_name(job), "key": "token"}},
+        },
+        {"name": "SPECRL_SYNC_MASTER_ADDR", "value": sync_master},
+        {"name": "SPECRL_SYNC_MASTER_PORT", "value": str(SYNC_PORT)},
+        {"name": "SPECRL_METRICS_PORT", "value": str(HTTP_PORT if role == "coordinator" else METRICS_PORT)},
+        {"name": "SPECRL_CACHE_DIR", "value": CACHE_MOUNT},
+    ]
+
+
+def _pod_template(job: Any, role: str) -> dict[str, Any]:
+    """The spec's pod template overrides, the role's own (if the API has one) taking precedence."""
+    merged: dict[str, Any] = {}
+    for source in (_get(job.spec, "resources", "pod_template"), _get(job.spec, "resources", role, "pod_template")):
+        if source is not None:
+            for key, value in _plain(source).items():
+                merged[key] = value
+    return merged
+
+
+def _resources(template: Mapping[str, Any], role: str, gpus: int) -> dict[str, Any]:
+    res = copy.deepcopy(dict(template.get("resources") or {}))
+    requests = {str(k): str(v) for k, v in (res.get("requests") or {}).items()}
+    limits = {str(k): str(v) for k, v in (res.get("limits") or {}).items()}
+    # The GPU count is the budget the rebalancer accounts for: it comes from gpusPerPod only.
+    requests.pop(GPU_RESOURCE, None)
+    limits.pop(GPU_RESOURCE, None)
+    if role in WORKER_ROLES and gpus > 0:
+        requests[GPU_RESOURCE] = str(gpus)
+        limits[GPU_RESOURCE] = str(gpus)
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def pod(job: Any, owner: Owner, role: str, index: int) -> dict[str, Any]:
+    name = pod_name(owner.name, role, index)
+    template = _pod_template(job, role)
+    env = _env(owner, role, index)
+    reserved = {e["name"] for e in env}
+    # User env may add variables but never override the contract with the runtime.
+    env += [dict(e) for e in template.get("env") or [] if e.get("name") not in reserved]
+    meta = _meta(owner, name, role)
+    meta["labels"][LABEL_INDEX] = str(index)
+    meta["annotations"] = {ANNOTATION_CONFIG_HASH: config_hash(job, owner)}
+    ports = [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
+    if role == "coordinator":
+        ports = [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"},
+        ]
+    elif role == "trainer" and index == 0:
+        ports.append({"name": "sync", "containerPort": SYNC_PORT, "protocol": "TCP"})
+    container: dict[str, Any] = {
+        "name": role,
+        "image": image_of(job),
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["specrl", "worker", role, "--config", CONFIG_FILE],
+        "env": env,
+        "ports": ports,
+        "resources": _resources(template, role, gpus_per_pod(job)),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    if role == "coordinator":
+        container["readinessProbe"] = {
+            "httpGet": {"path": "/healthz", "port": HTTP_PORT},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        }
+    spec: dict[str, Any] = {
+        # The operator owns restarts (backoff, backoffLimit, drains); the kubelet must not hide failures.
+        "restartPolicy": "Never",
+        "hostname": name,
+        "subdomain": headless_service_name(owner.name),
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+        "containers": [container],
+        "volumes": [
+            {"name": "config", "configMap": {"name": config_map_name(owner.name)}},
+            {"name": "cache", "emptyDir": {}},
+            # NCCL and torch.distributed need more shared memory than the container default.
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if template.get("nodeSelector"):
+        spec["nodeSelector"] = dict(template["nodeSelector"])
+    if template.get("tolerations"):
+        spec["tolerations"] = [dict(t) for t in template["tolerations"]]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+@dataclass(frozen=True)
+class Desired:
+    """Everything the job should own, keyed by (kind, name)."""
+
+    static: dict[tuple[str, str], dict[str, Any]]
+    pods: dict[str, dict[str, Any]]
+
+    @property
+    def count(self) -> int:
+        return len(self.static) + len(self.pods)
+
+
+def desired(
+    job: Any,
+    owner: Owner,
+    allocation: Mapping[str, int],
+    existing_pods: Iterable[str] = (),
+    token: str = "",
+    workers: bool = True,
+) -> Desired:
+    """The desired children for ``allocation`` (replicas per worker role), keeping existing pod names.
+
+    ``workers=False`` (suspended, complete) keeps only the job-level objects and the coordinator.
+    """
+    static = {
+        ("ConfigMap", config_map_name(owner.name)): config_map(job, owner),
+        ("Secret", secret_name(owner.name)): secret(owner, token),
+        ("Service", headless_service_name(owner.name)): headless_service(owner),
+        ("Service", coordinator_service_name(owner.name)): coordinator_service(owner),
+    }
+    by_role: dict[str, list[int]] = {r: [] for r in ALL_ROLES}
+    for name in existing_pods:
+        parsed = parse_pod_name(owner.name, name)
+        if parsed:
+            by_role[parsed[0]].append(parsed[1])
+    pods: dict[str, dict[str, Any]] = {}
+    replicas = {"coordinator": 1, **{r: int(allocation.get(r, 0)) for r in WORKER_ROLES}}
+    for role in ALL_ROLES:
+        if role != "coordinator" and not workers:
+            continue
+        for i in plan_indexes(replicas[role], by_role[role]):
+            p = pod(job, owner, role, i)
+            pods[p["metadata"]["name"]] = p
+    return Desired(static=static, pods=pods)
+
+
+def fingerprint(obj: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,109 @@
+"""HTTP client for a job's coordinator (DESIGN §3): ``GET /status`` and ``POST /drain``.
+
+Every call has a short timeout; repeated failures back off exponentially per job (the timer keeps
+ticking, but polls are skipped until the backoff expires), so an unreachable coordinator costs little.
+The caller marks the job Degraded and makes no moves while the coordinator cannot be read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+DEFAULT_TIMEOUT = 3.0
+MAX_BACKOFF = 60.0
+
+
+class CoordinatorError(Exception):
+    """The coordinator could not be reached or answered with something unusable."""
+
+
+class DrainRejected(CoordinatorError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Health:
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str = ""
+
+
+class CoordinatorClient:
+    def __init__(self, url_template: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.url_template = url_template
+        self._timeout = aiohttp.ClientTimeout(total=timeout, connect=min(timeout, 2.0))
+        self._session: aiohttp.ClientSession | None = None
+        self._health: dict[tuple[str, str], _Health] = {}
+
+    def base_url(self, namespace: str, name: str) -> str:
+        return self.url_template.format(name=name, namespace=namespace).rstrip("/")
+
+    async def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers={"User-Agent": "specrl-operator/0.1"})
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def backing_off(self, namespace: str, name: str, now: float | None = None) -> str | None:
+        """The last error while the backoff window is open, else None."""
+        h = self._health.get((namespace, name))
+        if h and h.failures and (now if now is not None else time.monotonic()) < h.retry_at:
+            return h.last_error
+        return None
+
+    def forget(self, namespace: str, name: str) -> None:
+        self._health.pop((namespace, name), None)
+
+    def _failed(self, key: tuple[str, str], error: str) -> None:
+        h = self._health.setdefault(key, _Health())
+        h.failures += 1
+        h.last_error = error
+        h.retry_at = time.monotonic() + min(MAX_BACKOFF, 2.0 ** (h.failures - 1))
+
+    async def status(self, namespace: str, name: str) -> dict[str, Any]:
+        key = (namespace, name)
+        url = f"{self.base_url(namespace, name)}/status"
+        try:
+            sess = await self._sess()
+            async with sess.get(url) as resp:
+                if resp.status != 200:
+                    raise CoordinatorError(f"GET {url} -> HTTP {resp.status}")
+                data = await resp.json(content_type=None)
+            if not isinstance(data, dict):
+                raise CoordinatorError(f"GET {url} returned {type(data).__name__}, not a JSON object")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            err = f"GET {url}: {type(exc).__name__}: {exc}".rstrip(": ")
+            self._failed(key, err)
+            raise CoordinatorError(err) from exc
+        except CoordinatorError as exc:
+            self._failed(key, str(exc))
+            raise
+        self._health.pop(key, None)
+        return data
+
+    async def drain(self, namespace: str, name: str, worker: str, token: str) -> str:
+        """Ask the coordinator to retire ``worker``; returns its state, ``"gone"`` when unknown (404)."""
+        url = f"{self.base_url(namespace, name)}/drain"
+        try:
+            sess = await self._sess()
+            async with sess.post(url, json={"worker": worker}, headers={"Authorization": f"Bearer {token}"}) as resp:
+                if resp.status == 404:
+                    return "gone"
+                if resp.status == 401:
+                    raise DrainRejected(401, f"POST {url}: coordinator rejected the job's token (401)")
+                if resp.status not in (200, 202):
+                    raise DrainRejected(resp.status, f"POST {url} -> HTTP {resp.status}")
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise CoordinatorError(f"POST {url}: {type(exc).__name__}: {exc}") from exc
+        return str((data or {}).get("state", "draining"))
