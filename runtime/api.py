@@ -1,0 +1,848 @@
+"""The RLJob API (`specrl.io/v1alpha1`, kind `RLJob`): the one source of truth.
+
+The CRD schema (`specrl crd`), `specrl validate`, the operator and every pod's config all come from these
+pydantic models. YAML uses camelCase (`maxNewTokens`), Python uses snake_case (`max_new_tokens`); both are
+accepted on input, `model_dump(by_alias=True)` gives the YAML form back.
+
+Validation is strict, like the API server: unknown fields are rejected, and so are wrong types (`"20"` is
+not an integer). Cross-field rules live in `model_validator`s and are mirrored, where CEL can express them,
+as `x-kubernetes-validations` on the CRD (the `CEL` entries next to each validator).
+
+Entry points:
+- `RLJob.model_validate(dict)`: validate one object (raises pydantic.ValidationError).
+- `parse_job(dict, source=...)`: the same, raising `JobValidationError` with `Problem`s that carry exact
+  field paths such as `spec.resources.rollout.minReplicas`.
+- `load_jobs(path)`: every RLJob in a (multi-document) YAML file, or `JobValidationError`.
+- `check_file(path)`: every problem in a file, never raising (used by `specrl validate`).
+- `job.resolved()`: a copy with derived defaults filled in (GPU budget, weight-sync backend, replica bounds),
+  the form the operator writes into the job's ConfigMap (`job.config_yaml()`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+GROUP = "specrl.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLJob"
+PLURAL = "rljobs"
+SINGULAR = "rljob"
+SHORT_NAMES = ["rlj"]
+
+DEFAULT_IMAGE = "ghcr.io/specrl/specrl:0.1.0"
+# Models the project builds itself (no hub download); the runtime maps these names to configs.
+BUILTIN_MODELS = ("builtin:tiny", "builtin:small", "builtin:tiny-draft", "builtin:small-draft")
+SPECULATIVE_METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp")
+# Methods whose drafter is a separate model that must be named; eagle may start from a fresh head instead.
+METHODS_REQUIRING_DRAFT_MODEL = ("draft_model", "eagle3")
+METHODS_ACCEPTING_DRAFT_MODEL = ("draft_model", "eagle", "eagle3")
+# Phases the operator reports in status.phase (kept as plain strings in the schema).
+PHASES = ("Pending", "Starting", "Running", "Rebalancing", "Suspended", "Complete", "Failed")
+CONDITION_TYPES = ("Ready", "Rebalancing", "Suspended", "Complete", "Failed", "Degraded")
+
+# Child objects are named "<job>-coordinator", "<job>-rollout-<i>", ...; Services need DNS-1035 labels
+# (<= 63 chars, starting with a letter), so the job name leaves room for the longest suffix.
+MAX_NAME_LENGTH = 45
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+IMPORT_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[mkMGTPE]|n|u)?$")
+ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Base model and rule plumbing
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        strict=True,
+        validate_default=False,
+        use_attribute_docstrings=False,
+    )
+
+
+# CEL rules attached to a model's schema; crd.py copies them into x-kubernetes-validations.
+def _cel(*rules: tuple[str, str, str | None]) -> dict[str, Any]:
+    out = []
+    for rule, message, field_path in rules:
+        entry: dict[str, Any] = {"rule": rule, "message": message}
+        if field_path:
+            entry["fieldPath"] = field_path
+        out.append(entry)
+    return {"x-kubernetes-validations": out}
+
+
+def _raise(problems: list[tuple[str, str]]) -> None:
+    """Raise one pydantic error carrying every (relative camelCase field path, message) of a model."""
+    if problems:
+        summary = "; ".join(f"{field}: {message}" for field, message in problems)
+        raise PydanticCustomError("rljob_rule", "{summary}", {"summary": summary, "problems": problems})
+
+
+def _quantity(value: Any) -> Any:
+    # Kubernetes accepts `cpu: 2` and `cpu: "2"` alike (int-or-string); keep the string form.
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return str(value)
+    return value
+
+
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity),
+    Field(pattern=QUANTITY.pattern, json_schema_extra={"x-kubernetes-int-or-string": True}),
+]
+
+
+def _model_name_problems(name: str, field: str) -> list[tuple[str, str]]:
+    if name.startswith("builtin:") and name not in BUILTIN_MODELS:
+        return [(field, f"unknown builtin model {name!r}; expected one of {', '.join(BUILTIN_MODELS)}")]
+    if not name.strip() or any(c.isspace() for c in name):
+        return [(field, "must be a Hugging Face model id, a local path, or builtin:<name> (no whitespace)")]
+    return []
+
+
+# --------------------------------------------------------------------------------------------------------
+# Metadata
+
+
+class ObjectMeta(BaseModel):
+    """The Kubernetes ObjectMeta fields an RLJob may carry (server-set ones are accepted, unknown ones are not)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    name: str = Field(description="Job name: a DNS-1035 label (lower-case letters, digits, '-', starting "
+                      f"with a letter), at most {MAX_NAME_LENGTH} characters so child object names fit.")
+    namespace: str | None = Field(default=None, description="Namespace (DNS-1123 label); default: the current one.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels, copied onto every child object.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Annotations.")
+    generate_name: str | None = Field(default=None, description="Server-side name prefix (not supported).")
+    uid: str | None = Field(default=None, description="Set by the server.")
+    resource_version: str | None = Field(default=None, description="Set by the server.")
+    generation: int | None = Field(default=None, description="Set by the server.")
+    creation_timestamp: str | None = Field(default=None, description="Set by the server.")
+    deletion_timestamp: str | None = Field(default=None, description="Set by the server.")
+    deletion_grace_period_seconds: int | None = Field(default=None, description="Set by the server.")
+    finalizers: list[str] = Field(default_factory=list, description="Finalizers (the operator adds its own).")
+    owner_references: list[dict[str, Any]] = Field(default_factory=list, description="Owner references.")
+    managed_fields: list[dict[str, Any]] = Field(default_factory=list, description="Set by the server.")
+    self_link: str | None = Field(default=None, description="Set by the server (deprecated).")
+
+    @model_validator(mode="after")
+    def _names(self) -> ObjectMeta:
+        problems = []
+        if not DNS1035_LABEL.match(self.name) or len(self.name) > MAX_NAME_LENGTH:
+            problems.append(("name", f"{self.name!r} is not a valid job name: use at most {MAX_NAME_LENGTH} "
+                             "lower-case letters, digits and '-', starting with a letter and ending with a letter "
+                             "or digit (a DNS-1123/1035 label)"))
+        if self.namespace is not None and (not DNS1123_LABEL.match(self.namespace) or len(self.namespace) > 63):
+            problems.append(("namespace", f"{self.namespace!r} is not a DNS-1123 label"))
+        _raise(problems)
+        return self
+
+
+# --------------------------------------------------------------------------------------------------------
+# Spec
+
+
+class ModelSpec(_Strict):
+    """The policy model."""
+
+    name: str = Field(default="builtin:tiny", min_length=1, description=(
+        "Hugging Face model id (e.g. Qwen/Qwen3-8B), a local path in the image, or a model the project builds "
+        f"itself: {', '.join(BUILTIN_MODELS)}."))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description=(
+        "Parameter dtype of the policy (and of the rollout copy)."))
+    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit); null = default.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        _raise(_model_name_problems(self.name, "name"))
+        return self
+
+
+class AlgorithmSpec(_Strict):
+    """The RL algorithm and its sampling settings."""
+
+    name: Literal["grpo"] = Field(default="grpo", description="RL algorithm (GRPO: group-relative advantages).")
+    group_size: int = Field(default=8, ge=2, le=1024, description=(
+        "Completions sampled per prompt; advantages are relative within the group (>= 2)."))
+    learning_rate: float = Field(default=1e-5, gt=0, le=1, description="Optimizer (AdamW) learning rate.")
+    clip_ratio: float = Field(default=0.2, gt=0, lt=1, description="PPO-style ratio clip epsilon.")
+    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty coefficient against the initial policy.")
+    steps: int = Field(default=20, ge=1, description="Number of RL steps (policy updates).")
+    prompts_per_step: int = Field(default=8, ge=1, description="Prompts per step; samples = promptsPerStep x groupSize.")
+    max_new_tokens: int = Field(default=128, ge=1, le=65536, description="Maximum completion length in tokens.")
+    temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature (> 0; RL needs sampling).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
+    seed: int = Field(default=0, ge=0, description="Seed for data order, sampling and initialisation.")
+    eval_every: int = Field(default=0, ge=0, description="Evaluate on held-out prompts every N steps (0 = never).")
+
+
+class Difficulty(_Strict):
+    """Mix of difficulty levels of the synthetic task (relative weights)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.easy + self.medium + self.hard > 0.0", "difficulty weights must not all be zero", None)))
+
+    easy: float = Field(default=0.5, ge=0, description="Weight of easy problems.")
+    medium: float = Field(default=0.3, ge=0, description="Weight of medium problems.")
+    hard: float = Field(default=0.2, ge=0, description="Weight of hard problems (long answers: the long tail).")
+
+    @model_validator(mode="after")
+    def _check(self) -> Difficulty:
+        if self.easy + self.medium + self.hard <= 0:
+            _raise([("", "difficulty weights must not all be zero")])
+        return self
+
+
+class SyntheticDataset(_Strict):
+    """The built-in synthetic reasoning task (arithmetic with verifiable answers)."""
+
+    size: int = Field(default=1024, ge=1, description="Number of distinct prompts generated.")
+    difficulty: Difficulty = Field(default_factory=Difficulty, description="Difficulty mix.")
+
+
+class DatasetSpec(_Strict):
+    """Where prompts (and reference answers) come from."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.type != 'jsonl' || (has(self.path) && size(self.path) > 0)",
+         "path is required when type is jsonl", ".path"),
+        ("self.type != 'synthetic' || !has(self.path)", "path is only used when type is jsonl", ".path"),
+    ))
+
+    type: Literal["synthetic", "jsonl"] = Field(default="synthetic", description=(
+        "synthetic: the built-in task; jsonl: one JSON object per line with prompt and answer fields."))
+    synthetic: SyntheticDataset = Field(default_factory=SyntheticDataset, description="Settings of the synthetic task.")
+    path: str | None = Field(default=None, description="JSONL file (in the image or a mounted volume); type jsonl only.")
+    prompt_field: str = Field(default="prompt", min_length=1, description="JSONL key holding the prompt.")
+    answer_field: str = Field(default="answer", min_length=1, description="JSONL key holding the reference answer.")
+
+    @model_validator(mode="after")
+    def _check(self) -> DatasetSpec:
+        problems = []
+        if self.type == "jsonl" and not self.path:
+            problems.append(("path", "required when type is jsonl"))
+        if self.type == "synthetic" and self.path is not None:
+            problems.append(("path", "only used when type is jsonl"))
+        if self.type == "jsonl" and "synthetic" in self.model_fields_set:
+            problems.append(("synthetic", "only used when type is synthetic"))
+        _raise(problems)
+        return self
+
+
+class RewardSpec(_Strict):
+    """How completions are scored. Code never travels in the spec: a function must already be installed."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.type != 'function' || has(self.function)", "function is required when type is function", ".function"),
+        ("self.type != 'exact_match' || !has(self.function)", "function is only used when type is function",
+         ".function"),
+    ))
+
+    type: Literal["exact_match", "function"] = Field(default="exact_match", description=(
+        "exact_match: 1 when the final answer equals the reference, else 0; function: an importable Python "
+        "callable (prompt, completion, answer) -> float."))
+    function: str | None = Field(default=None, pattern=IMPORT_REF.pattern, description=(
+        "`package.module:function`, importable in the image; type function only."))
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardSpec:
+        problems = []
+        if self.type == "function" and not self.function:
+            problems.append(("function", "required when type is function (form package.module:function)"))
+        if self.type == "exact_match" and self.function is not None:
+            problems.append(("function", "only used when type is function"))
+        _raise(problems)
+        return self
+
+
+class AdaptiveSpec(_Strict):
+    """When and how to speculate, decided from measurements while the job runs."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.minDraftTokens <= self.maxDraftTokens", "minDraftTokens must be <= maxDraftTokens", ".minDraftTokens"),
+        ("self.batchSizeBuckets.isSorted() && "
+         "self.batchSizeBuckets.all(b, self.batchSizeBuckets.exists_one(c, c == b))",
+         "batchSizeBuckets must be strictly increasing", ".batchSizeBuckets"),
+    ))
+
+    toggle: bool = Field(default=True, description=(
+        "Switch speculation on and off by a calibrated cost model (on at small active batch, off when compute-bound)."))
+    draft_length: bool = Field(default=True, description="Adapt the number of draft tokens to the running acceptance.")
+    min_draft_tokens: int = Field(default=1, ge=1, le=64, description="Lower bound of the adaptive draft length.")
+    max_draft_tokens: int = Field(default=8, ge=1, le=64, description="Upper bound of the adaptive draft length.")
+    strategy: bool = Field(default=True, description=(
+        "Pick the proposer and draft length per batch-size bucket with an epsilon-greedy bandit on measured goodput."))
+    epsilon: float = Field(default=0.1, ge=0, le=1, description="Exploration probability of the strategy bandit.")
+    window: int = Field(default=1000, ge=1, description="Decode steps in the sliding window of acceptance/goodput statistics.")
+    batch_size_buckets: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=lambda: [1, 2, 5, 21], min_length=1, max_length=32, description=(
+            "Lower bounds of the active-batch-size buckets the bandit keeps separate statistics for "
+            "(strictly increasing)."))
+
+    @model_validator(mode="after")
+    def _check(self) -> AdaptiveSpec:
+        problems = []
+        if self.min_draft_tokens > self.max_draft_tokens:
+            problems.append(("minDraftTokens", f"must be <= maxDraftTokens ({self.max_draft_tokens})"))
+        buckets = self.batch_size_buckets
+        if any(a >= b for a, b in zip(buckets, buckets[1:])):
+            problems.append(("batchSizeBuckets", "must be strictly increasing"))
+        _raise(problems)
+        return self
+
+
+class DrafterTrainingSpec(_Strict):
+    """Keeping a trainable drafter (draft_model, eagle, eagle3) aligned with the moving policy."""
+
+    enabled: bool = Field(default=True, description=(
+        "Train the drafter on recent rollouts with idle long-tail capacity (ignored by methods without a trainable drafter)."))
+    interval: int = Field(default=1, ge=1, description="Train the drafter every N policy steps.")
+    learning_rate: float = Field(default=1e-4, gt=0, le=1, description="Drafter learning rate.")
+
+
+class SpeculativeSpec(_Strict):
+    """Speculative decoding in the rollout engine (always lossless: outputs follow the policy's distribution)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!(self.method in ['draft_model', 'eagle3']) || has(self.draftModel)",
+         "draftModel is required for methods draft_model and eagle3", ".draftModel"),
+        ("self.method in ['draft_model', 'eagle', 'eagle3'] || !has(self.draftModel)",
+         "draftModel is only used by methods draft_model, eagle and eagle3", ".draftModel"),
+        ("self.numSpeculativeTokens >= self.adaptive.minDraftTokens && "
+         "self.numSpeculativeTokens <= self.adaptive.maxDraftTokens",
+         "numSpeculativeTokens must lie within [adaptive.minDraftTokens, adaptive.maxDraftTokens]",
+         ".numSpeculativeTokens"),
+    ))
+
+    method: Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp"] = Field(
+        default="none", description=(
+            "none: plain decoding; draft_model: a small LM; ngram: prompt lookup; layer_skip: early exit of the "
+            "policy; quantized_self: an int8 copy of the policy; eagle: a feature-level head (fresh when no "
+            "draftModel); eagle3, mtp: vLLM backend only."))
+    draft_model: str | None = Field(default=None, min_length=1, description=(
+        "Drafter weights (HF id, local path or builtin:*-draft); required for draft_model and eagle3, optional for eagle."))
+    num_speculative_tokens: int = Field(default=4, ge=1, le=64, description=(
+        "Draft tokens per verification step (the starting value when adaptive.draftLength is on)."))
+    adaptive: AdaptiveSpec = Field(default_factory=AdaptiveSpec, description="Adaptive speculation.")
+    drafter_training: DrafterTrainingSpec = Field(default_factory=DrafterTrainingSpec, description=(
+        "Online drafter training."))
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeSpec:
+        problems = []
+        if self.method in METHODS_REQUIRING_DRAFT_MODEL and not self.draft_model:
+            problems.append(("draftModel", f"required when method is {self.method}"))
+        if self.draft_model is not None and self.method not in METHODS_ACCEPTING_DRAFT_MODEL:
+            problems.append(("draftModel", f"not used by method {self.method} (only by "
+                             f"{', '.join(METHODS_ACCEPTING_DRAFT_MODEL)})"))
+        if self.draft_model:
+            problems += _model_name_problems(self.draft_model, "draftModel")
+        lo, hi = self.adaptive.min_draft_tokens, self.adaptive.max_draft_tokens
+        if not lo <= self.num_speculative_tokens <= hi:
+            problems.append(("numSpeculativeTokens", f"must lie within adaptive.minDraftTokens..maxDraftTokens "
+                             f"[{lo}, {hi}]"))
+        _raise(problems)
+        return self
+
+
+class RoleSpec(_Strict):
+    """Replicas of one role; the operator moves GPUs between roles within [minReplicas, maxReplicas]."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.minReplicas <= self.replicas", "minReplicas must be <= replicas", ".minReplicas"),
+        ("!has(self.maxReplicas) || self.replicas <= self.maxReplicas", "replicas must be <= maxReplicas",
+         ".maxReplicas"),
+    ))
+
+    replicas: int = Field(default=1, ge=1, le=4096, description="Pods at start.")
+    min_replicas: int = Field(default=1, ge=1, le=4096, description="Fewest pods elastic rebalancing may leave.")
+    max_replicas: int | None = Field(default=None, ge=1, le=4096, description=(
+        "Most pods elastic rebalancing may create; null = as many as the GPU budget allows."))
+
+    @model_validator(mode="after")
+    def _check(self) -> RoleSpec:
+        problems = []
+        if self.min_replicas > self.replicas:
+            problems.append(("minReplicas", f"must be <= replicas ({self.replicas})"))
+        if self.max_replicas is not None and self.replicas > self.max_replicas:
+            problems.append(("maxReplicas", f"must be >= replicas ({self.replicas})"))
+        _raise(problems)
+        return self
+
+
+class Toleration(_Strict):
+    """A Kubernetes toleration."""
+
+    key: str | None = Field(default=None, description="Taint key (empty with operator Exists: all taints).")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(default=None, description=(
+        "Taint effect to match; null = all effects."))
+    toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: seconds to stay bound.")
+
+
+class ResourceRequirements(_Strict):
+    """Container resource requests and limits (quantities such as "4", "16Gi", "500m")."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Requests per resource name.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Limits per resource name.")
+
+
+class EnvVar(_Strict):
+    """An environment variable for every container of the job."""
+
+    name: str = Field(pattern=ENV_NAME.pattern, description="Variable name.")
+    value: str = Field(default="", description="Variable value.")
+
+
+class PodTemplate(_Strict):
+    """Overrides applied to every pod of the job (coordinator, trainers, rollout workers)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations.")
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
+        "Extra requests/limits (GPUs come from gpusPerPod; do not set nvidia.com/gpu here)."))
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    service_account_name: str | None = Field(default=None, description="Service account of the pods.")
+    priority_class_name: str | None = Field(default=None, description="Priority class of the pods.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None, description=(
+        "Image pull policy; null = the Kubernetes default."))
+
+    @model_validator(mode="after")
+    def _check(self) -> PodTemplate:
+        problems = []
+        for kind in ("requests", "limits"):
+            if "nvidia.com/gpu" in getattr(self.resources, kind):
+                problems.append((f"resources.{kind}.nvidia.com/gpu", "set spec.resources.gpusPerPod instead"))
+        seen: set[str] = set()
+        for i, var in enumerate(self.env):
+            if var.name in seen:
+                problems.append((f"env[{i}].name", f"duplicate variable {var.name!r}"))
+            if var.name.startswith("SPECRL_"):
+                problems.append((f"env[{i}].name", "SPECRL_* variables are set by the operator"))
+            seen.add(var.name)
+        _raise(problems)
+        return self
+
+
+class ResourcesSpec(_Strict):
+    """Pods, GPUs and the GPU budget elastic rebalancing works within."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!has(self.totalGPUs) || (self.trainer.replicas + self.rollout.replicas) * self.gpusPerPod <= self.totalGPUs",
+         "trainer and rollout replicas x gpusPerPod must fit in totalGPUs", ".totalGPUs"),
+        ("!has(self.totalGPUs) || (self.trainer.minReplicas + self.rollout.minReplicas) * self.gpusPerPod "
+         "<= self.totalGPUs", "minReplicas of both roles x gpusPerPod must fit in totalGPUs", ".totalGPUs"),
+    ))
+
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Container image of every pod of the job.")
+    gpus_per_pod: int = Field(default=1, ge=0, le=16, description=(
+        "GPUs per trainer/rollout pod (nvidia.com/gpu); 0 runs on CPU. The coordinator never takes a GPU."))
+    total_gpus: int | None = Field(default=None, alias="totalGPUs", ge=0, description=(
+        "GPU budget of the job shared by both roles; null = (trainer.replicas + rollout.replicas) x gpusPerPod."))
+    trainer: RoleSpec = Field(default_factory=RoleSpec, description="Trainer pods (GRPO updates, weight-sync source).")
+    rollout: RoleSpec = Field(default_factory=RoleSpec, description="Rollout pods (speculative generation, rewards).")
+    pod_template: PodTemplate = Field(default_factory=PodTemplate, description="Overrides for every pod.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ResourcesSpec:
+        problems = []
+        if self.total_gpus is not None:
+            used = (self.trainer.replicas + self.rollout.replicas) * self.gpus_per_pod
+            floor = (self.trainer.min_replicas + self.rollout.min_replicas) * self.gpus_per_pod
+            if used > self.total_gpus:
+                problems.append(("totalGPUs", f"(trainer.replicas + rollout.replicas) x gpusPerPod = {used} GPUs "
+                                 f"exceeds totalGPUs {self.total_gpus}"))
+            elif floor > self.total_gpus:
+                problems.append(("totalGPUs", f"minReplicas of both roles x gpusPerPod = {floor} GPUs exceeds "
+                                 f"totalGPUs {self.total_gpus}"))
+        _raise(problems)
+        return self
+
+    def budget_pods(self) -> int:
+        """Pods of both roles together that fit in the budget (CPU jobs: the initial pod count)."""
+        if self.gpus_per_pod == 0:
+            return self.trainer.replicas + self.rollout.replicas
+        total = self.total_gpus if self.total_gpus is not None else (
+            (self.trainer.replicas + self.rollout.replicas) * self.gpus_per_pod)
+        return total // self.gpus_per_pod
+
+
+class ElasticSpec(_Strict):
+    """Moving GPUs between the trainer and rollout roles while the job runs (operator policy)."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.queueLowWatermark < self.queueHighWatermark", "queueLowWatermark must be < queueHighWatermark",
+         ".queueLowWatermark"),
+    ))
+
+    enabled: bool = Field(default=False, description="Rebalance between roles at step boundaries.")
+    cooldown_seconds: int = Field(default=120, ge=0, description="Minimum seconds between two moves.")
+    long_tail_fraction: float = Field(default=0.25, gt=0, le=1, description=(
+        "Long tail: the queue is empty and fewer than this fraction of the step's sequences are still active."))
+    queue_high_watermark: int = Field(default=64, ge=1, description=(
+        "Queued prompts per rollout worker above which a GPU moves to the rollout role."))
+    queue_low_watermark: int = Field(default=0, ge=0, description=(
+        "Queued prompts per rollout worker at or below which rollout may give a GPU back."))
+    trainer_backlog_high_watermark: int = Field(default=256, ge=1, description=(
+        "Samples waiting for the trainers (async mode) above which a GPU moves to the trainer role."))
+    hysteresis: int = Field(default=3, ge=1, le=100, description=(
+        "Consecutive coordinator polls that must agree before a move (damps oscillation)."))
+    drain_timeout_seconds: int = Field(default=300, ge=1, description=(
+        "Seconds a draining worker may take to finish its sequences before its pod is deleted anyway."))
+
+    @model_validator(mode="after")
+    def _check(self) -> ElasticSpec:
+        if self.queue_low_watermark >= self.queue_high_watermark:
+            _raise([("queueLowWatermark", f"must be < queueHighWatermark ({self.queue_high_watermark})")])
+        return self
+
+
+class WeightSyncSpec(_Strict):
+    """Trainer -> rollout weight transfer (packed buckets over a torch.distributed side group)."""
+
+    backend: Literal["nccl", "gloo"] | None = Field(default=None, description=(
+        "nccl (GPUs) or gloo (CPU); null = nccl when gpusPerPod > 0, else gloo."))
+    bucket_mib: int = Field(default=256, alias="bucketMiB", ge=1, le=16384, description=(
+        "Size of one packed broadcast bucket in MiB."))
+
+
+class CheckpointSpec(_Strict):
+    """Periodic checkpoints of policy, drafter and optimizer."""
+
+    path: str | None = Field(default=None, min_length=1, description=(
+        "Directory (a mounted volume); null = no checkpoints, a restarted job starts over."))
+    interval: int = Field(default=10, ge=1, description="Checkpoint every N steps.")
+    keep: int = Field(default=3, ge=1, description="Checkpoints kept (older ones are deleted).")
+
+
+class RLJobSpec(_Strict):
+    """Desired state of an RL job."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.mode != 'async' || self.maxStaleness >= 1", "async mode needs maxStaleness >= 1", ".maxStaleness"),
+        ("!has(self.weightSync.backend) || self.weightSync.backend != 'nccl' || self.resources.gpusPerPod >= 1",
+         "weightSync.backend nccl needs resources.gpusPerPod >= 1", ".weightSync.backend"),
+    ))
+
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The policy model.")
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec, description="RL algorithm and sampling.")
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec, description="Prompts and reference answers.")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="Reward function.")
+    mode: Literal["sync", "async"] = Field(default="sync", description=(
+        "sync: every rollout uses the newest weights; async: rollouts may lag by up to maxStaleness versions."))
+    max_staleness: int = Field(default=1, ge=0, le=64, description=(
+        "async: the oldest weight version a rollout may use, counted back from the newest (>= 1)."))
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec, description="Speculative decoding.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Pods, GPUs and budget.")
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec, description="Elastic rebalancing between roles.")
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="Weight synchronisation.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+    suspend: bool = Field(default=False, description="Delete the job's pods but keep the job (resume by setting false).")
+    backoff_limit: int = Field(default=3, ge=0, le=100, description=(
+        "Pod failures (restarts of the job's workers) tolerated before the job is marked Failed."))
+
+    @model_validator(mode="after")
+    def _check(self) -> RLJobSpec:
+        problems = []
+        if self.mode == "async" and self.max_staleness < 1:
+            problems.append(("maxStaleness", "async mode needs maxStaleness >= 1"))
+        if self.weight_sync.backend == "nccl" and self.resources.gpus_per_pod == 0:
+            problems.append(("weightSync.backend", "nccl needs GPUs (resources.gpusPerPod >= 1); use gloo on CPU"))
+        _raise(problems)
+        return self
+
+
+# --------------------------------------------------------------------------------------------------------
+# Status (written by the operator; extra keys allowed because kopf keeps its own state under status)
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="allow")
+
+
+class Condition(_Status):
+    """A kstatus-style condition."""
+
+    type: str = Field(description=f"One of {', '.join(CONDITION_TYPES)}.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str | None = Field(default=None, description="CamelCase reason.")
+    message: str | None = Field(default=None, description="Human-readable detail.")
+    last_transition_time: str | None = Field(default=None, description="RFC 3339 time of the last change.")
+    observed_generation: int | None = Field(default=None, description="Generation this condition describes.")
+
+
+class RoleAllocation(_Status):
+    """Pods and GPUs a role holds now."""
+
+    replicas: int = Field(default=0, description="Pods of this role.")
+    gpus: int = Field(default=0, description="GPUs of this role.")
+
+
+class Allocation(_Status):
+    """Current split of the job's pods and GPUs."""
+
+    trainer: RoleAllocation = Field(default_factory=RoleAllocation, description="Trainer role.")
+    rollout: RoleAllocation = Field(default_factory=RoleAllocation, description="Rollout role.")
+
+
+class RolloutSummary(_Status):
+    """Last rollout figures reported by the coordinator."""
+
+    queue_depth: int = Field(default=0, description="Prompts waiting for a rollout worker.")
+    active_sequences: int = Field(default=0, description="Sequences being generated.")
+    long_tail: bool = Field(default=False, description="The step is in its long tail.")
+    tokens_per_second: float = Field(default=0.0, description="Generated tokens per second, all workers.")
+    acceptance_length: float | None = Field(default=None, description="Mean tokens per verification (1 + accepted/drafts).")
+    spec_decode_enabled: bool = Field(default=False, description="Speculative decoding is switched on now.")
+
+
+class Rebalance(_Status):
+    """The last move of capacity between roles."""
+
+    time: str | None = Field(default=None, description="RFC 3339 time of the move.")
+    from_role: str | None = Field(default=None, description="Role that gave a pod.")
+    to_role: str | None = Field(default=None, description="Role that got a pod.")
+    reason: str | None = Field(default=None, description="Why (e.g. QueueBacklog, LongTail, TrainerBacklog).")
+
+
+class RLJobStatus(_Status):
+    """Observed state of an RL job (written by the operator)."""
+
+    phase: str | None = Field(default=None, description=f"One of {', '.join(PHASES)}.")
+    conditions: list[Condition] = Field(default_factory=list, description="Standard conditions.")
+    observed_generation: int | None = Field(default=None, description="Spec generation the status reflects.")
+    allocation: Allocation | None = Field(default=None, description="Pods and GPUs per role.")
+    rollout: RolloutSummary | None = Field(default=None, description="Rollout figures from the coordinator.")
+    step: int | None = Field(default=None, description="Completed RL steps.")
+    weight_version: int | None = Field(default=None, description="Newest policy weight version.")
+    last_rebalance: Rebalance | None = Field(default=None, description="The last move between roles.")
+    restarts: int | None = Field(default=None, description="Worker pod failures so far (see spec.backoffLimit).")
+    message: str | None = Field(default=None, description="Human-readable summary.")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The object
+
+
+class RLJob(_Strict):
+    """An elastic, speculative reinforcement-learning job."""
+
+    api_version: Literal["specrl.io/v1alpha1"] = Field(description="specrl.io/v1alpha1")
+    kind: Literal["RLJob"] = Field(description="RLJob")
+    metadata: ObjectMeta = Field(description="Standard object metadata.")
+    spec: RLJobSpec = Field(default_factory=RLJobSpec, description="Desired state.")
+    status: RLJobStatus | None = Field(default=None, description="Observed state (written by the operator).")
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace or "default"
+
+    def resolved(self) -> RLJob:
+        """A copy with every derived default filled in (budget, backend, replica bounds); same meaning."""
+        job = self.model_copy(deep=True)
+        res = job.spec.resources
+        if res.total_gpus is None:
+            res.total_gpus = (res.trainer.replicas + res.rollout.replicas) * res.gpus_per_pod
+        if job.spec.weight_sync.backend is None:
+            job.spec.weight_sync.backend = "nccl" if res.gpus_per_pod > 0 else "gloo"
+        budget = res.budget_pods()
+        for role, other in ((res.trainer, res.rollout), (res.rollout, res.trainer)):
+            if role.max_replicas is None:
+                role.max_replicas = max(role.replicas, budget - other.min_replicas) if job.spec.elastic.enabled \
+                    else role.replicas
+        return job
+
+    def to_dict(self, *, status: bool = False) -> dict[str, Any]:
+        """The YAML/JSON form (camelCase, no nulls)."""
+        return self.model_dump(by_alias=True, exclude_none=True, exclude=None if status else {"status"})
+
+    def config_yaml(self) -> str:
+        """The resolved job as YAML: what the operator puts in the ConfigMap (`job.yaml`) and pods read."""
+        body = self.resolved().model_dump(
+            by_alias=True, exclude_none=True,
+            exclude={"status": True, "metadata": {"uid", "resource_version", "generation", "creation_timestamp",
+                                                 "deletion_timestamp", "deletion_grace_period_seconds",
+                                                 "finalizers", "owner_references", "managed_fields", "self_link",
+                                                 "generate_name"}})
+        return yaml.safe_dump(body, sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Problems with exact field paths
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an input: `FILE: <name>: <field.path>: <message>`."""
+
+    source: str
+    name: str
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.source}: {self.name or '<unnamed>'}: {self.path or '<document>'}: {self.message}"
+
+
+class JobValidationError(ValueError):
+    """Raised with every problem found; `str()` gives one line per problem."""
+
+    def __init__(self, problems: Sequence[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def format_path(parts: Iterable[Any]) -> str:
+    """('spec', 'env', 0, 'name') -> 'spec.env[0].name'."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "":
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _message(err: Any) -> str:
+    kind, msg = err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "string_pattern_mismatch":
+        pattern = (err.get("ctx") or {}).get("pattern")
+        return {QUANTITY.pattern: "must be a Kubernetes quantity such as 4, 500m or 16Gi",
+                IMPORT_REF.pattern: "must have the form package.module:function",
+                ENV_NAME.pattern: "must be a valid environment variable name"}.get(pattern, msg) + \
+            f" (got {err.get('input')!r})"
+    if kind == "literal_error":
+        return f"must be one of {msg.split('Input should be ', 1)[-1]}" if "Input should be" in msg else msg
+    if msg.startswith("Input should be"):
+        msg = "must be" + msg[len("Input should be"):]
+    if kind.endswith("_type") or kind in ("int_from_float", "bool_parsing", "int_parsing", "float_parsing"):
+        msg += f" (got {type(err.get('input')).__name__} {err.get('input')!r})"
+    return msg
+
+
+def problems_from(error: ValidationError, *, source: str = "<input>", name: str = "") -> list[Problem]:
+    """Flatten a pydantic ValidationError of an RLJob into Problems with camelCase field paths."""
+    problems = []
+    for err in error.errors(include_url=False):
+        loc = list(err["loc"])
+        # Tagged/union branches add their tag to loc; none are used here, but keep paths clean if added later.
+        if err["type"] == "rljob_rule":
+            for field, message in err["ctx"]["problems"]:
+                problems.append(Problem(source, name, format_path([*loc, *field.split(".")] if field and
+                                        "/" not in field else [*loc, field]), message))
+        else:
+            problems.append(Problem(source, name, format_path(loc), _message(err)))
+    return problems
+
+
+def parse_job(doc: Any, *, source: str = "<input>") -> RLJob:
+    """Validate one decoded document as an RLJob, or raise JobValidationError with exact field paths."""
+    if not isinstance(doc, dict):
+        raise JobValidationError([Problem(source, "", "", f"expected a mapping (an RLJob object), got "
+                                          f"{type(doc).__name__}")])
+    meta = doc.get("metadata")
+    name = meta.get("name") if isinstance(meta, dict) and isinstance(meta.get("name"), str) else ""
+    head = []
+    if doc.get("apiVersion") != API_VERSION:
+        head.append(Problem(source, name, "apiVersion", f"must be {API_VERSION!r} (got {doc.get('apiVersion')!r})"))
+    if doc.get("kind") != KIND:
+        head.append(Problem(source, name, "kind", f"must be {KIND!r} (got {doc.get('kind')!r})"))
+    if head:
+        # A different kind's fields would all look wrong; report only what identifies the document.
+        raise JobValidationError(head)
+    try:
+        return RLJob.model_validate(doc)
+    except ValidationError as exc:
+        raise JobValidationError(problems_from(exc, source=source, name=name)) from None
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-5` as a float, as YAML 1.2 (and kubectl) do."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def load_yaml_documents(text: str) -> list[Any]:
+    """Every non-empty document of a YAML stream (YAML 1.2 floats); raises yaml.YAMLError."""
+    return [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
+
+
+def check_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
+    """Parse and validate every RLJob in a YAML file; never raises. Returns (valid jobs, problems)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return [], [Problem(source, "", "", f"cannot read file: {reason}")]
+    try:
+        docs = load_yaml_documents(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        return [], [Problem(source, "", "", f"invalid YAML{at}: {what}")]
+    if not docs:
+        return [], [Problem(source, "", "", "no RLJob found (the file is empty)")]
+    jobs, problems = [], []
+    for i, doc in enumerate(docs):
+        try:
+            jobs.append(parse_job(doc, source=source if len(docs) == 1 else f"{source}[{i}]"))
+        except JobValidationError as exc:
+            problems += exc.problems
+    return jobs, problems
+
+
+def load_jobs(path: str | Path) -> list[RLJob]:
+    """Every RLJob in a YAML file; raises JobValidationError listing every problem."""
+    jobs, problems = check_file(path)
+    if problems:
+        raise JobValidationError(problems)
+    return jobs
+
+
+def load_job(path: str | Path) -> RLJob:
+    """The single RLJob in a YAML file (e.g. a pod's /etc/specrl/job.yaml)."""
+    jobs = load_jobs(path)
+    if len(jobs) != 1:
+        raise JobValidationError([Problem(str(path), "", "", f"expected exactly one RLJob, found {len(jobs)}")])
+    return jobs[0]
