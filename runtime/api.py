@@ -20,6 +20,7 @@ Entry points:
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -147,9 +148,9 @@ class ObjectMeta(BaseModel):
     def _names(self) -> ObjectMeta:
         problems = []
         if not DNS1035_LABEL.match(self.name) or len(self.name) > MAX_NAME_LENGTH:
-            problems.append(("name", f"{self.name!r} is not a valid job name: use at most {MAX_NAME_LENGTH} "
+            problems.append(("name", (f"{self.name!r} is not a valid job name: use at most {MAX_NAME_LENGTH} "
                              "lower-case letters, digits and '-', starting with a letter and ending with a letter "
-                             "or digit (a DNS-1123/1035 label)"))
+                             "or digit (a DNS-1123/1035 label)")))
         if self.namespace is not None and (not DNS1123_LABEL.match(self.namespace) or len(self.namespace) > 63):
             problems.append(("namespace", f"{self.namespace!r} is not a DNS-1123 label"))
         _raise(problems)
@@ -279,8 +280,8 @@ class AdaptiveSpec(_Strict):
 
     model_config = ConfigDict(json_schema_extra=_cel(
         ("self.minDraftTokens <= self.maxDraftTokens", "minDraftTokens must be <= maxDraftTokens", ".minDraftTokens"),
-        ("self.batchSizeBuckets.isSorted() && "
-         "self.batchSizeBuckets.all(b, self.batchSizeBuckets.exists_one(c, c == b))",
+        (("self.batchSizeBuckets.isSorted() && "
+         "self.batchSizeBuckets.all(b, self.batchSizeBuckets.exists_one(c, c == b))"),
          "batchSizeBuckets must be strictly increasing", ".batchSizeBuckets"),
     ))
 
@@ -304,7 +305,7 @@ class AdaptiveSpec(_Strict):
         if self.min_draft_tokens > self.max_draft_tokens:
             problems.append(("minDraftTokens", f"must be <= maxDraftTokens ({self.max_draft_tokens})"))
         buckets = self.batch_size_buckets
-        if any(a >= b for a, b in zip(buckets, buckets[1:])):
+        if any(a >= b for a, b in itertools.pairwise(buckets)):
             problems.append(("batchSizeBuckets", "must be strictly increasing"))
         _raise(problems)
         return self
@@ -327,8 +328,8 @@ class SpeculativeSpec(_Strict):
          "draftModel is required for methods draft_model and eagle3", ".draftModel"),
         ("self.method in ['draft_model', 'eagle', 'eagle3'] || !has(self.draftModel)",
          "draftModel is only used by methods draft_model, eagle and eagle3", ".draftModel"),
-        ("self.numSpeculativeTokens >= self.adaptive.minDraftTokens && "
-         "self.numSpeculativeTokens <= self.adaptive.maxDraftTokens",
+        (("self.numSpeculativeTokens >= self.adaptive.minDraftTokens && "
+         "self.numSpeculativeTokens <= self.adaptive.maxDraftTokens"),
          "numSpeculativeTokens must lie within [adaptive.minDraftTokens, adaptive.maxDraftTokens]",
          ".numSpeculativeTokens"),
     ))
@@ -352,14 +353,14 @@ class SpeculativeSpec(_Strict):
         if self.method in METHODS_REQUIRING_DRAFT_MODEL and not self.draft_model:
             problems.append(("draftModel", f"required when method is {self.method}"))
         if self.draft_model is not None and self.method not in METHODS_ACCEPTING_DRAFT_MODEL:
-            problems.append(("draftModel", f"not used by method {self.method} (only by "
-                             f"{', '.join(METHODS_ACCEPTING_DRAFT_MODEL)})"))
+            problems.append(("draftModel", (f"not used by method {self.method} (only by "
+                             f"{', '.join(METHODS_ACCEPTING_DRAFT_MODEL)})")))
         if self.draft_model:
             problems += _model_name_problems(self.draft_model, "draftModel")
         lo, hi = self.adaptive.min_draft_tokens, self.adaptive.max_draft_tokens
         if not lo <= self.num_speculative_tokens <= hi:
-            problems.append(("numSpeculativeTokens", f"must lie within adaptive.minDraftTokens..maxDraftTokens "
-                             f"[{lo}, {hi}]"))
+            problems.append(("numSpeculativeTokens", (f"must lie within adaptive.minDraftTokens..maxDraftTokens "
+                             f"[{lo}, {hi}]")))
         _raise(problems)
         return self
 
@@ -452,8 +453,8 @@ class ResourcesSpec(_Strict):
     model_config = ConfigDict(json_schema_extra=_cel(
         ("!has(self.totalGPUs) || (self.trainer.replicas + self.rollout.replicas) * self.gpusPerPod <= self.totalGPUs",
          "trainer and rollout replicas x gpusPerPod must fit in totalGPUs", ".totalGPUs"),
-        ("!has(self.totalGPUs) || (self.trainer.minReplicas + self.rollout.minReplicas) * self.gpusPerPod "
-         "<= self.totalGPUs", "minReplicas of both roles x gpusPerPod must fit in totalGPUs", ".totalGPUs"),
+        (("!has(self.totalGPUs) || (self.trainer.minReplicas + self.rollout.minReplicas) * self.gpusPerPod "
+         "<= self.totalGPUs"), "minReplicas of both roles x gpusPerPod must fit in totalGPUs", ".totalGPUs"),
     ))
 
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Container image of every pod of the job.")
@@ -472,11 +473,11 @@ class ResourcesSpec(_Strict):
             used = (self.trainer.replicas + self.rollout.replicas) * self.gpus_per_pod
             floor = (self.trainer.min_replicas + self.rollout.min_replicas) * self.gpus_per_pod
             if used > self.total_gpus:
-                problems.append(("totalGPUs", f"(trainer.replicas + rollout.replicas) x gpusPerPod = {used} GPUs "
-                                 f"exceeds totalGPUs {self.total_gpus}"))
+                problems.append(("totalGPUs", (f"(trainer.replicas + rollout.replicas) x gpusPerPod = {used} GPUs "
+                                 f"exceeds totalGPUs {self.total_gpus}")))
             elif floor > self.total_gpus:
-                problems.append(("totalGPUs", f"minReplicas of both roles x gpusPerPod = {floor} GPUs exceeds "
-                                 f"totalGPUs {self.total_gpus}"))
+                problems.append(("totalGPUs", (f"minReplicas of both roles x gpusPerPod = {floor} GPUs exceeds "
+                                 f"totalGPUs {self.total_gpus}")))
         _raise(problems)
         return self
 
@@ -796,7 +797,7 @@ _Loader.add_implicit_resolver(
                     |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
                     |\.[0-9_]+(?:[eE][-+][0-9]+)?
                     |[-+]?\.(?:inf|Inf|INF)
-                    |\.(?:nan|NaN|NAN))$""", re.X),
+                    |\.(?:nan|NaN|NAN))$""", re.VERBOSE),
     list("-+0123456789."),
 )
 
