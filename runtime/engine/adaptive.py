@@ -22,8 +22,8 @@ Three layers, each a small pure object, combined by `AdaptiveController` (the en
 Nothing here touches the engine's sampling RNG: exploration draws from the controller's own `random.Random`, so
 the choice of arm never changes the sampled tokens' distribution (speculation is lossless for any arm).
 
-The engine calls ``decide(active_batch_size) -> Decision`` before each decode step and
-``observe(decision, accepted, batch, seconds)`` after it; ``stats()`` is merged into ``engine.stats``.
+The engine (`control.py`) calls ``decide(active_batch_size) -> Decision`` before each decode step and
+``observe(decision, record: StepRecord)`` after it; ``stats()`` is merged into ``engine.stats``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from .control import Decision, StepRecord
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 5, 21)
 DEFAULT_GAMMAS: tuple[int, ...] = (2, 4, 6)
@@ -47,37 +49,15 @@ DEFAULT_CALIBRATION_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
 # decisions
 
 
-@dataclass(frozen=True, order=True)
-class Decision:
-    """What the next decode step does: ``method=None`` is a plain target step (γ is then 0)."""
-
-    method: str | None
-    gamma: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method is None and self.gamma != 0:
-            raise ValueError(f"Decision: gamma must be 0 for a plain step, got {self.gamma}")
-        if self.method is not None and self.gamma < 1:
-            raise ValueError(f"Decision: gamma must be >= 1 when speculating with {self.method!r}, got {self.gamma}")
-
-    @property
-    def speculative(self) -> bool:
-        return self.method is not None
-
-    @property
-    def label(self) -> str:
-        return "ar" if self.method is None else f"{self.method}:{self.gamma}"
-
-
 AR = Decision(None, 0)
 
 
-class Controller(Protocol):
-    """The engine's per-decode-step hook."""
+def is_speculative(decision: Decision) -> bool:
+    return decision.method is not None and decision.gamma > 0
 
-    def decide(self, active_batch_size: int) -> Decision: ...
 
-    def observe(self, decision: Decision, accepted: int | Sequence[int], batch: int, seconds: float) -> None: ...
+def label(decision: Decision) -> str:
+    return f"{decision.method}:{decision.gamma}" if is_speculative(decision) else "ar"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -293,7 +273,9 @@ class AcceptanceTracker:
         return sum(counts) / tried if tried else 0.0
 
     def update(self, method: str, gamma: int, accepted: int | Sequence[int], batch: int) -> float:
-        observed = self.round_alpha(accepted, gamma, batch)
+        return self.observe(method, self.round_alpha(accepted, gamma, batch))
+
+    def observe(self, method: str, observed: float) -> float:
         old = self._alpha.get(method)
         self._alpha[method] = observed if old is None else self.decay * old + (1 - self.decay) * observed
         self.rounds[method] = self.rounds.get(method, 0) + 1
@@ -361,7 +343,7 @@ class BucketedEpsilonGreedy:
                 return s
             return prior(arm) if prior is not None else math.inf
 
-        return max(self.arms, key=lambda a: (value(a), a.method is None, -a.gamma)), False
+        return max(self.arms, key=lambda a: (value(a), not is_speculative(a), -a.gamma)), False
 
     def update(self, batch: int, arm: Decision, reward: float) -> None:
         key = (self.bucket(batch), arm)
@@ -376,14 +358,20 @@ class BucketedEpsilonGreedy:
 
 @dataclass
 class AdaptiveSettings:
-    """Knobs of the controller (the RLJob's ``spec.speculative.adaptive`` is mapped onto these)."""
+    """Knobs of the controller; `settings_from_spec` maps the RLJob's ``spec.speculative.adaptive`` onto them.
 
-    enabled: bool = True
-    mode: str = "bandit"  # "bandit": (a)+(b)+(c); "cost_model": (a)+(b) only
-    margin: float = 0.05
+    toggle: AR is an option (cost-model toggle, and an arm of the bandit); draft_length: γ adapts (else fixed at
+    `gamma`); strategy: the bucketed bandit picks (proposer, γ) by measured goodput (else the cost model decides).
+    """
+
+    toggle: bool = True
+    draft_length: bool = True
+    strategy: bool = True
+    gamma: int = 4  # starting / fixed draft length (spec.speculative.numSpeculativeTokens)
     min_gamma: int = 1
     max_gamma: int = 8
-    gammas: tuple[int, ...] | None = None  # bandit arms; default: DEFAULT_GAMMAS clipped to [min, max]
+    gammas: tuple[int, ...] | None = None  # bandit arms; default: {2, 4, 6, gamma} clipped to [min, max]
+    margin: float = 0.05
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     epsilon: float = 0.1
     window: int = 100
@@ -392,61 +380,63 @@ class AdaptiveSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("bandit", "cost_model"):
-            raise ValueError(f"adaptive.mode: must be 'bandit' or 'cost_model', got {self.mode!r}")
         if self.min_gamma < 1 or self.max_gamma < self.min_gamma:
-            raise ValueError(f"adaptive.minGamma/maxGamma: need 1 <= min <= max, got {self.min_gamma}, "
+            raise ValueError(f"minDraftTokens/maxDraftTokens: need 1 <= min <= max, got {self.min_gamma}, "
                              f"{self.max_gamma}")
+        if not self.min_gamma <= self.gamma <= self.max_gamma:
+            raise ValueError(f"numSpeculativeTokens: {self.gamma} outside [minDraftTokens, maxDraftTokens] = "
+                             f"[{self.min_gamma}, {self.max_gamma}]")
         if self.margin < 0:
-            raise ValueError(f"adaptive.margin: must be >= 0, got {self.margin}")
+            raise ValueError(f"margin: must be >= 0, got {self.margin}")
+
+    @property
+    def adaptive(self) -> bool:
+        return self.toggle or self.draft_length or self.strategy
 
     def gamma_range(self) -> list[int]:
-        return list(range(self.min_gamma, self.max_gamma + 1))
+        return list(range(self.min_gamma, self.max_gamma + 1)) if self.draft_length else [self.gamma]
 
     def arm_gammas(self) -> list[int]:
+        if not self.draft_length:
+            return [self.gamma]
         if self.gammas:
             bad = [g for g in self.gammas if not self.min_gamma <= g <= self.max_gamma]
             if bad:
-                raise ValueError(f"adaptive.gammas: {bad} outside [minGamma, maxGamma] = "
+                raise ValueError(f"gammas: {bad} outside [minDraftTokens, maxDraftTokens] = "
                                  f"[{self.min_gamma}, {self.max_gamma}]")
             return sorted(set(self.gammas))
-        clipped = sorted({min(max(g, self.min_gamma), self.max_gamma) for g in DEFAULT_GAMMAS})
-        return clipped
+        return sorted({min(max(g, self.min_gamma), self.max_gamma) for g in (*DEFAULT_GAMMAS, self.gamma)})
 
 
 class FixedController:
-    """Always the same decision (benchmarks, calibration, and the engine's non-adaptive mode)."""
+    """Always the same decision (benchmarks and the cost-model calibration); records what it measured."""
 
     def __init__(self, decision: Decision) -> None:
         self.decision = decision
-        self.steps = 0
-        self.seconds = 0.0
-        self.emitted = 0
+        self.records: list[StepRecord] = []
 
     def decide(self, active_batch_size: int) -> Decision:
         return self.decision
 
-    def observe(self, decision: Decision, accepted: int | Sequence[int], batch: int, seconds: float) -> None:
-        self.steps += 1
-        self.seconds += seconds
-        self.emitted += _emitted(decision, accepted, batch)
+    def observe(self, decision: Decision, record: StepRecord) -> None:
+        self.records.append(record)
 
     def stats(self) -> dict[str, Any]:
-        return {"adaptive": False, "decision": self.decision.label, "steps": self.steps}
+        return {"adaptive": False, "decision": label(self.decision), "steps": len(self.records)}
 
 
-def _emitted(decision: Decision, accepted: int | Sequence[int], batch: int) -> int:
-    """Tokens the step emitted: one per sequence (bonus / residual / plain) plus the accepted drafts."""
-    if decision.method is None:
-        return batch
-    total = accepted if isinstance(accepted, int) else sum(int(n) for n in accepted)
-    return batch + int(total)
+def round_alpha_from_record(record: StepRecord) -> float | None:
+    """α of one speculative step from the engine's totals (None when nothing was drafted)."""
+    if record.gamma < 1 or record.draft_tokens <= 0:
+        return None
+    drafting = max(record.draft_tokens / record.gamma, 1e-9)  # sequences that drafted (ragged proposers: fewer)
+    return alpha_from_mean_accepted(record.accepted_tokens / drafting, record.gamma)
 
 
 class AdaptiveController:
     """(a) toggle + (b) draft length + (c) bucketed bandit; see the module docstring.
 
-    `methods` are the proposers the engine can run; `cost_model` comes from `calibrate(...)`. Without a cost model
+    `methods` are the proposers the engine built; `cost_model` comes from `calibrate(...)`. Without a cost model
     the controller is a plain bandit whose untried arms are tried first.
     """
 
@@ -459,54 +449,68 @@ class AdaptiveController:
         self.metrics = metrics
         s = self.settings
         self.acceptance = AcceptanceTracker(prior=s.prior_alpha, decay=s.ewma_decay, priors=alpha_priors)
-        arms = [AR] + [Decision(m, g) for m in self.methods for g in s.arm_gammas()]
-        self.bandit = BucketedEpsilonGreedy(arms, thresholds=s.buckets, epsilon=s.epsilon, window=s.window,
+        arms = ([AR] if s.toggle else []) + [Decision(m, g) for m in self.methods for g in s.arm_gammas()]
+        self.bandit = BucketedEpsilonGreedy(arms or [AR], thresholds=s.buckets, epsilon=s.epsilon, window=s.window,
                                             seed=s.seed)
         self.current: Decision = AR
         self._counts: dict[str, dict[str, int]] = {}
         self.steps = 0
         self.sd_steps = 0
         self.explored = 0
-        self._last_choice_explored = False
 
     # -- decisions ------------------------------------------------------------------------------------------
 
     def predicted(self, arm: Decision, batch: int) -> float:
         """The cost model's relative goodput for `arm` at `batch` (1.0 = plain decoding)."""
-        if arm.method is None or self.cost_model is None:
+        if not is_speculative(arm) or self.cost_model is None:
             return 1.0
         if arm.method not in self.cost_model.draft_step:
             return 0.0
         return self.cost_model.speedup(arm.method, arm.gamma, batch, self.acceptance.alpha(arm.method))
 
+    def _model_decision(self, batch: int) -> Decision:
+        """(a)+(b) without the bandit: the cost model's best proposer and γ, AR unless it wins by the margin."""
+        s = self.settings
+        if self.cost_model is None:
+            return Decision(self.methods[0], s.gamma)
+        alphas = self.acceptance.alphas(self.methods)
+        if s.toggle:
+            return toggle(self.cost_model, batch, alphas, s.gamma_range(), margin=s.margin)
+        return max((Decision(m, self.cost_model.best_gamma(m, batch, alphas[m], s.gamma_range())[0])
+                    for m in self.methods if m in self.cost_model.draft_step),
+                   key=lambda d: self.predicted(d, batch), default=Decision(self.methods[0], s.gamma))
+
     def decide(self, active_batch_size: int) -> Decision:
         s = self.settings
         explored = False
-        if not s.enabled or not self.methods or active_batch_size < 1:
+        if not self.methods or active_batch_size < 1:
             decision = AR
-        elif s.mode == "cost_model":
-            if self.cost_model is None:
-                raise ValueError("adaptive.mode 'cost_model' needs a calibrated CostModel")
-            decision = toggle(self.cost_model, active_batch_size, self.acceptance.alphas(self.methods),
-                              s.gamma_range(), margin=s.margin)
+        elif not s.adaptive:
+            decision = Decision(self.methods[0], s.gamma)
+        elif not s.strategy:
+            decision = self._model_decision(active_batch_size)
         else:
             def prior(arm: Decision) -> float:
                 value = self.predicted(arm, active_batch_size)
                 # The toggle's margin applies to predictions only: a measured win is a win.
-                return value if arm.method is None else value / (1.0 + s.margin)
+                return value if not is_speculative(arm) else value / (1.0 + s.margin)
             decision, explored = self.bandit.choose(active_batch_size,
                                                     prior if self.cost_model is not None else None)
         self.current = decision
-        self._last_choice_explored = explored
         self._record(active_batch_size, decision, explored)
         return decision
 
-    def observe(self, decision: Decision, accepted: int | Sequence[int], batch: int, seconds: float) -> None:
+    def observe(self, decision: Decision, record: StepRecord) -> None:
+        batch, seconds = record.batch_size, record.seconds
         if batch < 1 or seconds <= 0:
             return
-        if decision.method is not None:
-            self.acceptance.update(decision.method, decision.gamma, accepted, batch)
-        tokens_per_s = _emitted(decision, accepted, batch) / seconds
+        if is_speculative(decision) and decision.method:
+            alpha = round_alpha_from_record(record)
+            if alpha is not None:
+                self.acceptance.observe(decision.method, alpha)
+        # Goodput counts every token the step produced for its sequences; a sequence that stopped early emits
+        # fewer, which is the same for every arm, so it does not bias the comparison.
+        tokens_per_s = max(record.emitted_tokens, 0) / seconds
         if self.cost_model is not None:
             reward = tokens_per_s * self.cost_model.t_ar(batch) / batch
         else:
@@ -516,23 +520,22 @@ class AdaptiveController:
     # -- visibility -----------------------------------------------------------------------------------------
 
     def _record(self, batch: int, decision: Decision, explored: bool) -> None:
-        label = self.bandit.bucket_label(self.bandit.bucket(batch))
-        per = self._counts.setdefault(label, {})
-        per[decision.label] = per.get(decision.label, 0) + 1
+        bucket = self.bandit.bucket_label(self.bandit.bucket(batch))
+        per = self._counts.setdefault(bucket, {})
+        per[label(decision)] = per.get(label(decision), 0) + 1
         self.steps += 1
-        self.sd_steps += int(decision.speculative)
+        self.sd_steps += int(is_speculative(decision))
         self.explored += int(explored)
         if self.metrics is not None:
-            self.metrics.spec_decode_enabled.set(1 if decision.speculative else 0)
-            self.metrics.spec_decode_draft_length.set(decision.gamma)
+            self.metrics.spec_decode_enabled.set(1 if is_speculative(decision) else 0)
+            self.metrics.spec_decode_draft_length.set(decision.gamma if is_speculative(decision) else 0)
 
     def stats(self) -> dict[str, Any]:
         return {
             "adaptive": True,
-            "mode": self.settings.mode,
             "current_method": self.current.method,
             "current_gamma": self.current.gamma,
-            "sd_enabled": self.current.speculative,
+            "sd_enabled": is_speculative(self.current),
             "sd_share": self.sd_steps / self.steps if self.steps else 0.0,
             "steps": self.steps,
             "explored_steps": self.explored,
@@ -540,7 +543,7 @@ class AdaptiveController:
             "alpha": {m: round(self.acceptance.alpha(m), 4) for m in self.methods},
             "scores_by_bucket": {
                 self.bandit.bucket_label(i): {
-                    arm.label: round(score, 4) for arm in self.bandit.arms
+                    label(arm): round(score, 4) for arm in self.bandit.arms
                     if (score := self.bandit.score(i, arm)) is not None}
                 for i in range(len(self.bandit.thresholds))},
         }
@@ -548,16 +551,15 @@ class AdaptiveController:
     def per_batch_size_gamma(self, max_batch: int = 256) -> list[list[int]]:
         """vLLM's ``num_speculative_tokens_per_batch_size`` ([[start_bs, end_bs, K], ...], inclusive, K=0 off)
         derived from the toggle's decisions with the current acceptance estimates."""
-        if self.cost_model is None or not self.methods:
+        if not self.methods:
             return [[1, max_batch, 0]]
         ranges: list[list[int]] = []
         for b in range(1, max_batch + 1):
-            d = toggle(self.cost_model, b, self.acceptance.alphas(self.methods), self.settings.gamma_range(),
-                       margin=self.settings.margin)
-            if ranges and ranges[-1][2] == d.gamma:
+            k = self._model_decision(b).gamma
+            if ranges and ranges[-1][2] == k:
                 ranges[-1][1] = b
             else:
-                ranges.append([b, b, d.gamma])
+                ranges.append([b, b, k])
         return ranges
 
 
@@ -565,80 +567,37 @@ class AdaptiveController:
 # building a controller from the RLJob
 
 
-_SETTING_FIELDS: dict[str, tuple[str, ...]] = {
-    "enabled": ("enabled",),
-    "mode": ("mode", "policy"),
-    "margin": ("margin", "toggle_margin"),
-    "min_gamma": ("min_gamma", "min_draft_length", "min_speculative_tokens"),
-    "max_gamma": ("max_gamma", "max_draft_length", "max_speculative_tokens"),
-    "gammas": ("gammas", "draft_lengths"),
-    "buckets": ("buckets", "batch_size_buckets", "bucket_thresholds"),
-    "epsilon": ("epsilon",),
-    "window": ("window",),
-    "ewma_decay": ("ewma_decay", "acceptance_decay"),
-    "seed": ("seed",),
-}
+def settings_from_spec(speculative: Any, **overrides: Any) -> AdaptiveSettings:
+    """Map the RLJob's ``spec.speculative`` (`specrl.runtime.api.SpeculativeSpec`, or its YAML mapping) onto
+    `AdaptiveSettings`; `overrides` set fields the API does not carry (margin, seed, ...)."""
+    from specrl.runtime.api import SpeculativeSpec  # pydantic only; keeps this module importable alone
 
-
-def settings_from_spec(adaptive: Any) -> AdaptiveSettings:
-    """Map the RLJob's ``spec.speculative.adaptive`` (a pydantic model or a plain mapping) onto the settings.
-
-    A missing section (None) or ``True`` gives the defaults; ``False`` disables adaptation.
-    """
-    if adaptive is None or adaptive is True:
-        return AdaptiveSettings()
-    if adaptive is False:
-        return AdaptiveSettings(enabled=False)
-    if hasattr(adaptive, "model_dump"):
-        data = adaptive.model_dump()
-    elif isinstance(adaptive, Mapping):
-        data = dict(adaptive)
-    else:
-        raise ValueError(f"spec.speculative.adaptive: expected a mapping, got {type(adaptive).__name__}")
-    # camelCase keys (raw YAML) are accepted too
-    norm = {"".join("_" + c.lower() if c.isupper() else c for c in k): v for k, v in data.items()}
-    kwargs: dict[str, Any] = {}
-    for target, names in _SETTING_FIELDS.items():
-        for name in names:
-            if norm.get(name) is not None:
-                value = norm[name]
-                kwargs[target] = tuple(value) if target in ("gammas", "buckets") else value
-                break
     try:
-        return AdaptiveSettings(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"spec.speculative.adaptive: {exc}") from None
+        spec = speculative if isinstance(speculative, SpeculativeSpec) else SpeculativeSpec.model_validate(
+            speculative or {})
+    except ValueError as exc:
+        raise ValueError(f"spec.speculative: {exc}") from None
+    a = spec.adaptive
+    return AdaptiveSettings(toggle=a.toggle, draft_length=a.draft_length, strategy=a.strategy,
+                            gamma=spec.num_speculative_tokens, min_gamma=a.min_draft_tokens,
+                            max_gamma=a.max_draft_tokens, epsilon=a.epsilon, window=a.window,
+                            buckets=tuple(a.batch_size_buckets), **overrides)
 
 
-def controller_from_spec(speculative: Any, cost_model: CostModel | None = None, metrics: Any | None = None,
-                         methods: Sequence[str] | None = None) -> AdaptiveController:
-    """An `AdaptiveController` for the RLJob's ``spec.speculative`` section (method + adaptive settings)."""
-    adaptive = getattr(speculative, "adaptive", None)
-    if adaptive is None and isinstance(speculative, Mapping):
-        adaptive = speculative.get("adaptive")
-    settings = settings_from_spec(adaptive)
+def controller_from_spec(speculative: Any, methods: Sequence[str] | None = None, cost_model: CostModel | None = None,
+                         metrics: Any | None = None, **overrides: Any) -> AdaptiveController:
+    """An `AdaptiveController` for the RLJob's ``spec.speculative`` section.
+
+    `methods`: the proposers the engine built (default: the spec's method only).
+    """
+    from specrl.runtime.api import SpeculativeSpec
+
+    spec = speculative if isinstance(speculative, SpeculativeSpec) else SpeculativeSpec.model_validate(
+        speculative or {})
+    settings = settings_from_spec(spec, **overrides)
     if methods is None:
-        method = getattr(speculative, "method", None)
-        if method is None and isinstance(speculative, Mapping):
-            method = speculative.get("method")
-        methods = [method] if method and method != "none" else []
-        extra = getattr(speculative, "proposers", None) or (
-            speculative.get("proposers") if isinstance(speculative, Mapping) else None)
-        if extra:
-            methods = list(dict.fromkeys([*methods, *extra]))
-    n = getattr(speculative, "num_speculative_tokens", None)
-    if n is None and isinstance(speculative, Mapping):
-        n = speculative.get("num_speculative_tokens", speculative.get("numSpeculativeTokens"))
-    if n and settings.gammas is None and not (adaptive and _has_any(adaptive, ("max_gamma", "maxGamma"))):
-        settings.max_gamma = max(settings.max_gamma, int(n))
+        methods = [] if spec.method == "none" else [spec.method]
     return AdaptiveController(methods, cost_model=cost_model, settings=settings, metrics=metrics)
-
-
-def _has_any(obj: Any, names: Iterable[str]) -> bool:
-    for name in names:
-        if (isinstance(obj, Mapping) and obj.get(name) is not None) or getattr(obj, name, None) is not None:
-            return True
-    return False
 
 
 # ---------------------------------------------------------------------------------------------------------------

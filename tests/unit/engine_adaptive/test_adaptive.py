@@ -8,14 +8,17 @@ from collections import Counter
 
 import pytest
 
+from specrl.runtime.engine.control import Decision, StepRecord
+
 from specrl.runtime.engine.adaptive import (
     AR,
+    FixedController,
+    label,
     AcceptanceTracker,
     AdaptiveController,
     AdaptiveSettings,
     BucketedEpsilonGreedy,
     CostModel,
-    Decision,
     alpha_from_mean_accepted,
     bucket_of,
     calibrate_from_timers,
@@ -163,6 +166,13 @@ def test_median_resists_outliers() -> None:
     assert bandit.choose(1)[0] == Decision("ngram", 2)
 
 
+def record(d: Decision, batch: int, accepted: int, seconds: float) -> StepRecord:
+    drafted = d.gamma * batch if d.method else 0
+    return StepRecord(step=0, method=d.method, gamma=d.gamma, batch_size=batch, draft_tokens=drafted,
+                      accepted_tokens=accepted, emitted_tokens=batch + accepted, seconds=seconds,
+                      draft_seconds=0.0, target_seconds=seconds)
+
+
 def _simulate(controller: AdaptiveController, truth: dict[tuple[int, Decision], float], batch: int,
               steps: int, t_ar: float) -> float:
     """Drive the controller on a simulated machine; return tokens/s achieved."""
@@ -176,7 +186,7 @@ def _simulate(controller: AdaptiveController, truth: dict[tuple[int, Decision], 
         per_seq = 1 + (d.gamma * 0.6 if d.method else 0)
         step = per_seq * t_ar / speed * (1 + rng.gauss(0, 0.03))
         accepted = round((per_seq - 1) * batch)
-        controller.observe(d, accepted, batch, step)
+        controller.observe(d, record(d, batch, accepted, step))
         tokens += per_seq * batch
         seconds += step
     return tokens / seconds
@@ -211,15 +221,15 @@ def test_controller_cold_start_follows_the_cost_model_and_reports_stats() -> Non
     assert d64 == AR
     assert metrics.spec_decode_enabled._value.get() == 0
     stats = ctrl.stats()
-    assert stats["decisions_by_bucket"] == {"1": {d1.label: 1}, "21+": {"ar": 1}}
+    assert stats["decisions_by_bucket"] == {"1": {label(d1): 1}, "21+": {"ar": 1}}
     assert stats["sd_share"] == 0.5 and stats["current_gamma"] == 0
-    ctrl.observe(d1, [d1.gamma, 0], 2, 0.01)
-    assert "draft_model" in stats["alpha"]
+    ctrl.observe(d1, record(d1, 2, 2 * d1.gamma, 0.01))  # everything accepted: α moves up
+    assert ctrl.stats()["alpha"]["draft_model"] > 0.85
 
 
 def test_cost_model_mode_and_per_batch_size_table() -> None:
     model = memory_bound_model()
-    ctrl = AdaptiveController(["draft_model"], cost_model=model, settings=AdaptiveSettings(mode="cost_model"),
+    ctrl = AdaptiveController(["draft_model"], cost_model=model, settings=AdaptiveSettings(strategy=False),
                               alpha_priors={"draft_model": 0.85})
     assert ctrl.decide(1).method == "draft_model"
     assert ctrl.decide(64) == AR
@@ -230,23 +240,31 @@ def test_cost_model_mode_and_per_batch_size_table() -> None:
         assert s1 == e0 + 1
 
 
-def test_disabled_or_no_methods_means_plain_decoding() -> None:
+def test_no_methods_means_plain_decoding_and_nothing_adaptive_means_fixed() -> None:
     assert AdaptiveController([], cost_model=memory_bound_model()).decide(1) == AR
-    ctrl = AdaptiveController(["ngram"], settings=AdaptiveSettings(enabled=False))
-    assert all(ctrl.decide(b) == AR for b in (1, 2, 30))
+    ctrl = AdaptiveController(["ngram"], settings=AdaptiveSettings(toggle=False, draft_length=False, strategy=False,
+                                                                   gamma=3))
+    assert all(ctrl.decide(b) == Decision("ngram", 3) for b in (1, 2, 30))
+    # toggle only: on/off by the cost model, γ stays fixed
+    ctrl = AdaptiveController(["draft_model"], cost_model=memory_bound_model(), alpha_priors={"draft_model": 0.85},
+                              settings=AdaptiveSettings(draft_length=False, strategy=False, gamma=3))
+    assert ctrl.decide(1) == Decision("draft_model", 3) and ctrl.decide(64) == AR
+    fixed = FixedController(Decision("ngram", 2))
+    fixed.observe(fixed.decide(4), record(Decision("ngram", 2), 4, 3, 0.1))
+    assert fixed.stats() == {"adaptive": False, "decision": "ngram:2", "steps": 1}
 
 
 def test_settings_from_the_rljob_section() -> None:
-    s = settings_from_spec({"margin": 0.1, "maxGamma": 6, "buckets": [1, 4, 16], "epsilon": 0.2})
-    assert (s.margin, s.max_gamma, s.buckets, s.epsilon) == (0.1, 6, (1, 4, 16), 0.2)
-    assert settings_from_spec(None) == AdaptiveSettings()
-    assert settings_from_spec(False).enabled is False
-    with pytest.raises(ValueError, match="spec.speculative.adaptive"):
-        settings_from_spec({"mode": "magic"})
-    with pytest.raises(ValueError, match="minGamma"):
-        settings_from_spec({"minGamma": 5, "maxGamma": 2})
-    ctrl = controller_from_spec({"method": "draft_model", "numSpeculativeTokens": 10, "adaptive": {"epsilon": 0.0}})
-    assert ctrl.methods == ["draft_model"] and ctrl.settings.max_gamma == 10
+    spec = {"method": "ngram", "numSpeculativeTokens": 6,
+            "adaptive": {"maxDraftTokens": 6, "batchSizeBuckets": [1, 4, 16], "epsilon": 0.2, "strategy": False}}
+    s = settings_from_spec(spec, margin=0.1)
+    assert (s.margin, s.gamma, s.max_gamma, s.buckets, s.epsilon, s.strategy) == (0.1, 6, 6, (1, 4, 16), 0.2, False)
+    assert settings_from_spec(None).gamma == 4
+    with pytest.raises(ValueError, match="minDraftTokens"):
+        settings_from_spec({"adaptive": {"minDraftTokens": 5, "maxDraftTokens": 2}})
+    ctrl = controller_from_spec({"method": "ngram", "adaptive": {"epsilon": 0.0}}, methods=["ngram", "draft_model"])
+    assert ctrl.methods == ["ngram", "draft_model"] and ctrl.settings.epsilon == 0.0
+    assert controller_from_spec({"method": "ngram"}).methods == ["ngram"]
 
 
 def test_calibrate_from_timers_builds_a_consistent_model() -> None:
