@@ -1,0 +1,277 @@
+"""vLLM rollout backend (GPU images): RLJob speculative settings -> vLLM, outputs -> ours, native weight transfer.
+
+Targets **vLLM 0.25.x or newer** (the `vllm` extra): the native weight-transfer API
+(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, vLLM
+>= 0.16) *and* the draft-model update bracket ``start_draft_weight_update`` (vLLM PR #46725, mid-2026), without which
+a drafter is never refreshed after a policy update and its acceptance collapses (vime PR #351 measured ~0%
+acceptance and 26% *below* no-spec with a stale MTP head). Dynamic draft length per batch size uses
+``num_speculative_tokens_per_batch_size`` (vLLM PR #32374).
+
+**This path is unexercised on CPU**: vLLM needs CUDA. The unit tests check the settings mapping and the exact
+sequence of calls against a recorded fake of the API surface above (`tests/unit/engine_adaptive/`); nothing here
+has run against a real vLLM in this repository.
+
+`import vllm` happens only when a `VLLMRolloutEngine` is built, so the module imports anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .adaptive import AdaptiveController
+
+TARGET_VLLM = "0.25"
+VLLM_METHODS: tuple[str, ...] = ("draft_model", "ngram", "eagle", "eagle3", "mtp")
+NATIVE_ONLY_METHODS: tuple[str, ...] = ("layer_skip", "quantized_self")
+# methods whose drafter has parameters of its own that must follow the policy
+METHODS_WITH_DRAFT_WEIGHTS: tuple[str, ...] = ("draft_model", "eagle", "eagle3", "mtp")
+
+
+def _get(obj: Any, *names: str, default: Any = None) -> Any:
+    """Read a setting from a pydantic model / object (snake_case) or a raw mapping (snake or camelCase)."""
+    for name in names:
+        if isinstance(obj, Mapping):
+            if obj.get(name) is not None:
+                return obj[name]
+            camel = name.split("_")[0] + "".join(p.title() for p in name.split("_")[1:])
+            if obj.get(camel) is not None:
+                return obj[camel]
+        elif getattr(obj, name, None) is not None:
+            return getattr(obj, name)
+    return default
+
+
+def validate_per_batch_size(schedule: Sequence[Sequence[int]], num_speculative_tokens: int) -> list[list[int]]:
+    """Check a ``[[start_bs, end_bs, K], ...]`` schedule as vLLM does: inclusive, ascending, disjoint, 0 <= K <= max."""
+    out: list[list[int]] = []
+    previous_end = 0
+    for i, entry in enumerate(schedule):
+        if len(entry) != 3:
+            raise ValueError(f"speculative.numSpeculativeTokensPerBatchSize[{i}]: expected [startBs, endBs, K], "
+                             f"got {list(entry)!r}")
+        start, end, k = (int(x) for x in entry)
+        if start < 1 or end < start:
+            raise ValueError(f"speculative.numSpeculativeTokensPerBatchSize[{i}]: need 1 <= startBs <= endBs, "
+                             f"got {start}..{end}")
+        if start <= previous_end:
+            raise ValueError(f"speculative.numSpeculativeTokensPerBatchSize[{i}]: ranges must be ascending and "
+                             f"disjoint ({start} <= previous end {previous_end})")
+        if not 0 <= k <= num_speculative_tokens:
+            raise ValueError(f"speculative.numSpeculativeTokensPerBatchSize[{i}]: K={k} must lie in "
+                             f"[0, numSpeculativeTokens={num_speculative_tokens}]")
+        out.append([start, end, k])
+        previous_end = end
+    return out
+
+
+def schedule_from_controller(controller: AdaptiveController, num_speculative_tokens: int,
+                             max_num_seqs: int = 256) -> list[list[int]]:
+    """vLLM's per-batch-size K from our calibrated toggle (+ acceptance-aware γ), capped at the configured K."""
+    merged: list[list[int]] = []
+    for start, end, k in controller.per_batch_size_gamma(max_batch=max_num_seqs):
+        k = min(k, num_speculative_tokens)
+        if merged and merged[-1][2] == k:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end, k])
+    return merged
+
+
+def speculative_config_from_spec(speculative: Any, *, draft_model_path: str | None = None,
+                                 per_batch_size: Sequence[Sequence[int]] | None = None) -> dict[str, Any] | None:
+    """The ``speculative_config`` dict for ``vllm.LLM`` from the RLJob's ``spec.speculative`` (None = no SD).
+
+    ``draft_model_path`` is where the rollout worker wrote the drafter checkpoint (draft_model / eagle / eagle3);
+    ``per_batch_size`` is usually `schedule_from_controller(...)`.
+    """
+    if speculative is None or _get(speculative, "enabled", default=True) is False:
+        return None
+    method = _get(speculative, "method", default="none")
+    if method in (None, "none"):
+        return None
+    if method in NATIVE_ONLY_METHODS:
+        raise ValueError(f"speculative.method: {method!r} runs on the native engine only; vLLM has no such "
+                         f"proposer (use one of {', '.join(VLLM_METHODS)} with the vLLM backend)")
+    if method not in VLLM_METHODS:
+        raise ValueError(f"speculative.method: unknown method {method!r} for the vLLM backend "
+                         f"(expected one of {', '.join(VLLM_METHODS)})")
+    k = int(_get(speculative, "num_speculative_tokens", default=4))
+    if k < 1:
+        raise ValueError(f"speculative.numSpeculativeTokens: must be >= 1, got {k}")
+    config: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        lo = int(_get(speculative, "prompt_lookup_min", default=_get(_get(speculative, "ngram", default={}),
+                                                                      "prompt_lookup_min", default=2)))
+        hi = int(_get(speculative, "prompt_lookup_max", default=_get(_get(speculative, "ngram", default={}),
+                                                                      "prompt_lookup_max", default=max(lo, 5))))
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative.promptLookupMin/Max: need 1 <= min <= max, got {lo}, {hi}")
+        config.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
+    elif method in ("draft_model", "eagle", "eagle3"):
+        path = draft_model_path or _get(speculative, "draft_model", "model")
+        if not path or not isinstance(path, str):
+            raise ValueError(f"speculative.draftModel: method {method!r} needs the drafter's checkpoint path "
+                             f"for vLLM")
+        config["model"] = path
+    elif method == "mtp":
+        path = draft_model_path or _get(speculative, "draft_model", "model")
+        if path:
+            config["model"] = path  # optional: the target checkpoint carries the MTP head by default
+    schedule = per_batch_size if per_batch_size is not None else _get(speculative,
+                                                                       "num_speculative_tokens_per_batch_size")
+    if schedule:
+        config["num_speculative_tokens_per_batch_size"] = validate_per_batch_size(schedule, k)
+    return config
+
+
+def sampling_params_to_vllm(params: Any, vllm: Any) -> Any:
+    """Our `SamplingParams` -> ``vllm.SamplingParams`` (logprobs=0: the sampled token's logprob only)."""
+    return vllm.SamplingParams(
+        temperature=float(params.temperature),
+        top_p=float(params.top_p),
+        top_k=int(params.top_k),  # 0 disables top-k in both
+        max_tokens=int(params.max_new_tokens),
+        stop_token_ids=list(params.stop_token_ids),
+        seed=params.seed,
+        logprobs=0,
+    )
+
+
+def _finish_reason(reason: str | None) -> str:
+    # vLLM reports "stop" (EOS or stop token), "length" or "abort"; ours uses the same words
+    return reason or "length"
+
+
+def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
+    """The sampled token's logprob per position from vLLM's per-position ``{token_id: Logprob}`` entries."""
+    if logprobs is None:
+        raise ValueError("vLLM output has no logprobs: the request must be sent with logprobs=0")
+    out: list[float] = []
+    for position, (token, entry) in enumerate(zip(token_ids, logprobs)):
+        item = entry.get(token) if isinstance(entry, Mapping) else None
+        if item is None:
+            raise ValueError(f"vLLM output: no logprob for sampled token {token} at position {position}")
+        out.append(float(getattr(item, "logprob", item)))
+    return out
+
+
+def to_request_output(output: Any, request_id: int) -> Any:
+    """One ``vllm.RequestOutput`` -> our `RequestOutput` (generated tokens only, target logprobs, finish reason)."""
+    from specrl.runtime.engine import RequestOutput  # the engine package is torch-heavy; import late
+
+    completion = output.outputs[0]
+    token_ids = [int(t) for t in completion.token_ids]
+    return RequestOutput(request_id=request_id, prompt_token_ids=[int(t) for t in output.prompt_token_ids],
+                         token_ids=token_ids, logprobs=_sampled_logprobs(token_ids, completion.logprobs),
+                         finish_reason=_finish_reason(completion.finish_reason))
+
+
+@dataclass
+class WeightUpdateInfo:
+    """Metadata of one streamed weight set (vLLM's NCCL ``update_info``): the receiver allocates from it."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    packed: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
+            raise ValueError(f"WeightUpdateInfo: names/dtype_names/shapes differ in length "
+                             f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)})")
+
+    @classmethod
+    def from_named_tensors(cls, named: Sequence[tuple[str, Any]], packed: bool = True) -> WeightUpdateInfo:
+        return cls(names=[n for n, _ in named], dtype_names=[str(t.dtype).removeprefix("torch.") for _, t in named],
+                   shapes=[list(t.shape) for _, t in named], packed=packed)
+
+    def request(self) -> dict[str, Any]:
+        return {"update_info": {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes,
+                                "packed": self.packed, **self.extra}}
+
+
+class VLLMRolloutEngine:
+    """`RolloutEngine`'s interface on top of ``vllm.LLM`` (GPU only; see the module docstring)."""
+
+    def __init__(self, model: str, speculative: Any = None, *, draft_model_path: str | None = None,
+                 controller: AdaptiveController | None = None, max_num_seqs: int = 256,
+                 weight_transfer_backend: str = "nccl", logprobs_mode: str = "processed_logprobs",
+                 **llm_kwargs: Any) -> None:
+        try:
+            self._vllm = importlib.import_module("vllm")
+            config_module = importlib.import_module("vllm.config")
+        except ImportError as exc:
+            raise RuntimeError(f"the vLLM backend needs vllm>={TARGET_VLLM} (a CUDA machine): "
+                               f"pip install 'specrl[vllm]' ({exc})") from None
+        self.method = _get(speculative, "method", default="none") if speculative is not None else "none"
+        per_bs = None
+        if controller is not None and speculative is not None and self.method not in (None, "none"):
+            per_bs = schedule_from_controller(controller, int(_get(speculative, "num_speculative_tokens", default=4)),
+                                              max_num_seqs)
+        self.speculative_config = speculative_config_from_spec(speculative, draft_model_path=draft_model_path,
+                                                               per_batch_size=per_bs)
+        kwargs: dict[str, Any] = dict(model=model, max_num_seqs=max_num_seqs, logprobs_mode=logprobs_mode,
+                                      weight_transfer_config=config_module.WeightTransferConfig(
+                                          backend=weight_transfer_backend), **llm_kwargs)
+        if self.speculative_config is not None:
+            kwargs["speculative_config"] = self.speculative_config
+        self.llm = self._vllm.LLM(**kwargs)
+        self.weight_version: str | None = None
+        self._transfer_ready = False
+
+    # -- rollouts -----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: Any) -> list[Any]:
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+        many = isinstance(params, (list, tuple))
+        if many and len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} sampling params for {len(prompts)} prompts")
+        sp = [sampling_params_to_vllm(p, self._vllm) for p in params] if many else \
+            sampling_params_to_vllm(params, self._vllm)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        return [to_request_output(o, i) for i, o in enumerate(outputs)]
+
+    # -- weights ------------------------------------------------------------------------------------------
+
+    def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        """Join the trainer's transfer group (the trainer is rank 0; our workers start at `rank_offset`)."""
+        self.llm.init_weight_transfer_engine({"init_info": {"master_address": master_address,
+                                                            "master_port": int(master_port),
+                                                            "rank_offset": int(rank_offset),
+                                                            "world_size": int(world_size)}})
+        self._transfer_ready = True
+
+    def update_weights(self, policy: WeightUpdateInfo, draft: WeightUpdateInfo | None = None,
+                       version: int | str | None = None) -> None:
+        """Receive a new policy, then (when the proposer has parameters) the drafter, as one versioned update.
+
+        The trainer streams the policy once and then replays the drafter's stream; the version is committed on the
+        last ``finish_weight_update`` so no request sees a new policy with a stale drafter's version.
+        """
+        if not self._transfer_ready:
+            raise RuntimeError("update_weights: call init_weight_transfer(...) first")
+        needs_draft = self.method in METHODS_WITH_DRAFT_WEIGHTS
+        if needs_draft and draft is None:
+            raise ValueError(f"update_weights: draft: proposer {self.method!r} has its own weights; pass the "
+                             f"drafter's WeightUpdateInfo (a stale drafter makes SD slower than none)")
+        tag = None if version is None else str(version)
+        self.llm.start_weight_update()
+        self.llm.update_weights(policy.request())
+        if needs_draft and draft is not None:
+            self.llm.finish_weight_update()
+            self.llm.start_draft_weight_update()
+            self.llm.update_weights(draft.request())
+        self.llm.finish_weight_update(weight_version=tag)
+        self.weight_version = tag
+
+    def refresh_drafter(self) -> None:
+        raise RuntimeError("refresh_drafter: with the vLLM backend the drafter follows the policy through "
+                           "update_weights(policy, draft=...)")
