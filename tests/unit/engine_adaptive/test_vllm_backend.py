@@ -91,8 +91,8 @@ def test_engine_builds_llm_generates_and_converts(fake_vllm: Any, vllm_calls: li
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["max_num_seqs"] == 32
     sc = kwargs["speculative_config"]
     assert sc["method"] == "draft_model" and sc["model"] == "/ckpt/draft"
-    assert sc["num_speculative_tokens_per_batch_size"][-1] == [sc["num_speculative_tokens_per_batch_size"][-1][0],
-                                                               32, 0]
+    assert sc["num_speculative_tokens_per_batch_size"] == schedule_from_controller(ctrl, 4, 32)
+    assert sc["num_speculative_tokens_per_batch_size"][-1][1] == 32
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_new_tokens=2, stop_token_ids=[2], seed=7)
     outs = engine.generate([[1, 5, 9], [3, 4]], params)
     sent = vllm_calls[1][1]
