@@ -1,0 +1,367 @@
+"""Generate the chart's Grafana dashboards (``job.json``, ``operator.json``) from one table of panels.
+
+The JSON files next to this script are what the chart ships (``.Files.Get`` in templates/dashboards.yaml) and
+what users import by hand; this script is their source, so ids, grid positions, datasource references and label
+selectors stay consistent. Regenerate after editing::
+
+    python charts/specrl/dashboards/generate.py          # rewrite the JSON
+    python charts/specrl/dashboards/generate.py --check  # exit 1 when the JSON is stale (used by the tests)
+
+Conventions (those of vLLM's and kube-prometheus-stack's dashboards):
+
+* datasource ``${DS_PROMETHEUS}``: declared in ``__inputs`` for a manual import, and as a datasource template
+  variable of the same name so that the Grafana sidecar (which ignores ``__inputs``) resolves it too;
+* template variables ``namespace`` and ``job`` (multi-value, "All" = ``.*``), used as
+  ``namespace=~"$namespace", job=~"$job"`` in every selector;
+* acceptance rate ``rate(accepted)/rate(draft_tokens)`` and acceptance length ``1 + rate(accepted)/rate(drafts)``,
+  computed in PromQL as vLLM does; rates over ``$__rate_interval``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+SEL = 'namespace=~"$namespace", job=~"$job"'
+RATE = "$__rate_interval"
+SCHEMA_VERSION = 39
+
+
+@dataclass
+class Target:
+    expr: str
+    legend: str
+
+
+@dataclass
+class Panel:
+    title: str
+    description: str
+    targets: list[Target]
+    unit: str = "short"
+    kind: str = "timeseries"
+    width: int = 8
+    height: int = 8
+    min: float | None = 0
+    max: float | None = None
+    stack: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    title: str
+    panels: list[Panel]
+
+
+def rate(metric: str, by: str = "namespace, job", sel: str = SEL) -> str:
+    return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
+
+
+def quantile(q: float, metric: str, by: str = "namespace, job", sel: str = SEL) -> str:
+    return f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{sel}}}[{RATE}])))"
+
+
+def mean_of_histogram(metric: str, by: str = "namespace, job", sel: str = SEL) -> str:
+    return f"{rate(metric + '_sum', by, sel)} / {rate(metric + '_count', by, sel)}"
+
+
+JOB_ROWS: list[Row] = [
+    Row("Rollout", [
+        Panel("Rollout throughput (tokens/s)",
+              "Response tokens generated per second by the job's rollout workers (all workers, and per worker).",
+              [Target(rate("specrl_rollout_generated_tokens_total"), "{{job}} total"),
+               Target(rate("specrl_rollout_generated_tokens_total", "namespace, job, worker"), "{{worker}}")],
+              unit="short"),
+        Panel("Speculative acceptance rate",
+              "Share of proposed draft tokens the target accepted: rate(accepted) / rate(draft tokens), as vLLM "
+              "computes it. Low values mean a stale or weak drafter.",
+              [Target(f"{rate('specrl_spec_decode_num_accepted_tokens_total')} / "
+                      f"{rate('specrl_spec_decode_num_draft_tokens_total')}", "{{job}}")],
+              unit="percentunit", max=1),
+        Panel("Mean acceptance length",
+              "Tokens emitted per verify step of a sequence: 1 + rate(accepted) / rate(drafts). 1 means no "
+              "speculative gain; the draft length plus one is the ceiling.",
+              [Target(f"1 + {rate('specrl_spec_decode_num_accepted_tokens_total')} / "
+                      f"{rate('specrl_spec_decode_num_drafts_total')}", "{{job}}")],
+              unit="short", min=1),
+        Panel("Speculative decoding on (share of rollout workers)",
+              "Fraction of rollout workers with speculation switched on. The adaptive toggle turns it on when "
+              "the active batch is small (memory-bound decode, e.g. the long tail) and off at large batch.",
+              [Target(f'avg by (namespace, job) (specrl_spec_decode_enabled{{{SEL}, role="rollout"}})', "{{job}}")],
+              unit="percentunit", max=1),
+        Panel("Draft length",
+              "Speculative tokens per draft (gamma) per rollout worker; adapts to the running acceptance rate.",
+              [Target(f'max by (namespace, job, worker) (specrl_spec_decode_draft_length{{{SEL}, role="rollout"}})',
+                      "{{worker}}")]),
+        Panel("Rollout queue depth",
+              "Prompts waiting in the coordinator queue. A growing queue pulls GPUs towards rollout.",
+              [Target(f"sum by (namespace, job) (specrl_rollout_queue_depth{{{SEL}}})", "{{job}}")]),
+        Panel("Active sequences",
+              "Sequences being generated right now, per worker (stacked).",
+              [Target(f"sum by (namespace, job, worker) (specrl_rollout_active_sequences{{{SEL}}})", "{{worker}}")],
+              stack=True),
+        Panel("Long-tail phase",
+              "1 while the step is in its long tail (queue empty, few long sequences left): speculation pays off "
+              "and idle capacity trains the drafter.",
+              [Target(f"max by (namespace, job) (specrl_rollout_long_tail{{{SEL}}})", "{{job}}")],
+              kind="state-timeline", max=1,
+              extra={"mappings": [{"type": "value", "options": {
+                  "0": {"text": "bulk", "color": "green", "index": 0},
+                  "1": {"text": "long tail", "color": "orange", "index": 1}}}]}),
+        Panel("Response length",
+              "Median and 95th percentile of finished responses, in tokens; the gap is the long tail.",
+              [Target(quantile(0.5, "specrl_rollout_response_length_tokens"), "p50 {{job}}"),
+               Target(quantile(0.95, "specrl_rollout_response_length_tokens"), "p95 {{job}}")]),
+    ]),
+    Row("Resources", [
+        Panel("Pods per role",
+              "Trainer and rollout pods the operator allocates (each with the job's GPUs per pod). Annotations "
+              "mark rebalances: allocation changes at a step boundary.",
+              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_replicas{{{SEL}}})",
+                      "{{job}} {{role}}")],
+              width=16, stack=False, extra={"drawStyle": "line", "lineInterpolation": "stepAfter"}),
+        Panel("Sequences completed",
+              "Finished rollout sequences per second.",
+              [Target(rate("specrl_rollout_sequences_completed_total"), "{{job}}")]),
+    ]),
+    Row("Weight sync", [
+        Panel("Weight-sync duration",
+              "Time of one packed-bucket weight sync (policy and drafter): median, p95 and mean.",
+              [Target(quantile(0.5, "specrl_weight_sync_duration_seconds"), "p50 {{job}}"),
+               Target(quantile(0.95, "specrl_weight_sync_duration_seconds"), "p95 {{job}}"),
+               Target(mean_of_histogram("specrl_weight_sync_duration_seconds"), "mean {{job}}")],
+              unit="s"),
+        Panel("Weight-sync bandwidth",
+              "Bytes per second of weights moved by syncs, by role (trainer: sent, rollout: received).",
+              [Target(rate("specrl_weight_sync_bytes_total", "namespace, job, role"), "{{job}} {{role}}")],
+              unit="Bps"),
+        Panel("Weight version",
+              "Policy version each worker holds. Rollout workers lagging the trainer show async staleness.",
+              [Target(f"max by (namespace, job, worker) (specrl_weight_version{{{SEL}}})", "{{worker}}")]),
+    ]),
+    Row("Training", [
+        Panel("Trainer step time",
+              "Wall time of one training step (forward, backward, optimizer): median and p95.",
+              [Target(quantile(0.5, "specrl_trainer_step_duration_seconds"), "p50 {{job}}"),
+               Target(quantile(0.95, "specrl_trainer_step_duration_seconds"), "p95 {{job}}")],
+              unit="s"),
+        Panel("Trainer backlog",
+              "Samples waiting for a trainer. A growing backlog (async mode) pushes GPUs towards training.",
+              [Target(f"sum by (namespace, job) (specrl_trainer_backlog_samples{{{SEL}}})", "{{job}}")]),
+        Panel("Reward",
+              "Mean reward of the samples of the last training step.",
+              [Target(f"avg by (namespace, job) (specrl_trainer_reward_mean{{{SEL}}})", "{{job}}")],
+              min=None),
+        Panel("Training step",
+              "Last completed RL step.",
+              [Target(f"max by (namespace, job) (specrl_trainer_step{{{SEL}}})", "{{job}}")]),
+        Panel("Drafter training",
+              "Drafter loss (left) and drafter optimizer steps per second on idle long-tail capacity.",
+              [Target(f"avg by (namespace, job) (specrl_drafter_loss{{{SEL}}})", "loss {{job}}"),
+               Target(rate("specrl_drafter_train_steps_total"), "steps/s {{job}}")],
+              min=None),
+    ]),
+]
+
+OPERATOR_ROWS: list[Row] = [
+    Row("Reconciliation", [
+        Panel("Reconcile rate",
+              "Reconciliations per second, by trigger (create/update handlers, the poll timer).",
+              [Target(f"sum by (trigger) (rate(specrl_operator_reconcile_duration_seconds_count[{RATE}]))",
+                      "{{trigger}}")],
+              unit="ops"),
+        Panel("Reconcile latency",
+              "Wall time of one reconciliation of one RLJob: p50, p95, p99.",
+              [Target(quantile(q, "specrl_operator_reconcile_duration_seconds", "trigger", ""), f"p{int(q * 100)} "
+                      "{{trigger}}") for q in (0.5, 0.95, 0.99)],
+              unit="s"),
+        Panel("Kubernetes API writes",
+              "Writes the operator sends to the API server for children and status, by verb and kind.",
+              [Target(f"sum by (verb, kind) (rate(specrl_operator_api_writes_total[{RATE}]))", "{{verb}} {{kind}}")],
+              unit="ops"),
+    ]),
+    Row("Jobs", [
+        Panel("Jobs by phase",
+              "RLJobs this operator serves, by phase.",
+              [Target("sum by (phase) (specrl_operator_jobs)", "{{phase}}")],
+              stack=True),
+        Panel("Rebalances by reason",
+              "Pods moved between roles by the elastic rebalancer, per reason and direction.",
+              [Target(f"sum by (reason, from_role, to_role) (increase(specrl_operator_rebalance_total[{RATE}]))",
+                      "{{reason}}: {{from_role}} → {{to_role}}")],
+              kind="barchart-ts"),
+        Panel("Coordinator poll errors",
+              "Failed polls of a job coordinator's GET /status (the job shows Degraded when they persist).",
+              [Target(rate("specrl_operator_coordinator_errors_total"), "{{namespace}}/{{job}}")],
+              unit="ops"),
+        Panel("Pods per role",
+              "Pods allocated to each role of each job.",
+              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_replicas{{{SEL}}})",
+                      "{{namespace}}/{{job}} {{role}}")],
+              width=24, extra={"drawStyle": "line", "lineInterpolation": "stepAfter"}),
+    ]),
+]
+
+
+def panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
+    kind = "timeseries" if p.kind == "barchart-ts" else p.kind
+    custom: dict[str, Any] = {"lineWidth": 1, "fillOpacity": 10, "showPoints": "never", "spanNulls": False}
+    if p.kind == "barchart-ts":
+        custom.update({"drawStyle": "bars", "fillOpacity": 80, "stacking": {"mode": "normal", "group": "A"}})
+    elif p.stack:
+        custom.update({"fillOpacity": 30, "stacking": {"mode": "normal", "group": "A"}})
+    for key in ("drawStyle", "lineInterpolation"):
+        if key in p.extra:
+            custom[key] = p.extra[key]
+    defaults: dict[str, Any] = {"unit": p.unit, "custom": custom if kind == "timeseries" else {}}
+    if p.min is not None:
+        defaults["min"] = p.min
+    if p.max is not None:
+        defaults["max"] = p.max
+    if "mappings" in p.extra:
+        defaults["mappings"] = p.extra["mappings"]
+    return {
+        "id": pid,
+        "type": kind,
+        "title": p.title,
+        "description": p.description,
+        "datasource": DS,
+        "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "desc"}},
+        "targets": [
+            {"datasource": DS, "refId": chr(ord("A") + i), "expr": t.expr, "legendFormat": t.legend,
+             "range": True, "instant": False, "editorMode": "code"}
+            for i, t in enumerate(p.targets)
+        ],
+    }
+
+
+def layout(rows: list[Row]) -> list[dict[str, Any]]:
+    panels: list[dict[str, Any]] = []
+    pid, y = 1, 0
+    for row in rows:
+        panels.append({"id": pid, "type": "row", "title": row.title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y, x, row_h = pid + 1, y + 1, 0, 0
+        for p in row.panels:
+            if x + p.width > 24:
+                x, y, row_h = 0, y + row_h, 0
+            panels.append(panel_json(p, pid, x, y))
+            pid, x, row_h = pid + 1, x + p.width, max(row_h, p.height)
+        y += row_h
+    return panels
+
+
+def variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DS,
+        "definition": query, "query": {"query": query, "refId": f"{name}-var"},
+        "refresh": 2, "sort": 1, "multi": True, "includeAll": True, "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [], "hide": 0, "regex": "",
+    }
+
+
+def dashboard(uid: str, title: str, description: str, rows: list[Row], var_metric: str,
+              annotations: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "description": "Prometheus scraping specrl",
+                      "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}],
+        "__requires": [
+            {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},
+            {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
+            {"type": "panel", "id": "timeseries", "name": "Time series", "version": ""},
+            {"type": "panel", "id": "state-timeline", "name": "State timeline", "version": ""},
+        ],
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["specrl"],
+        "editable": True,
+        "graphTooltip": 1,
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "refresh": "30s",
+        "time": {"from": "now-3h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "links": [{"title": "specrl dashboards", "type": "dashboards", "tags": ["specrl"], "asDropdown": True}],
+        "annotations": {"list": [
+            {"builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
+             "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"},
+            *annotations,
+        ]},
+        "templating": {"list": [
+            {"name": "DS_PROMETHEUS", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
+            variable("namespace", "Namespace", f"label_values({var_metric}, namespace)"),
+            variable("job", "RLJob", f'label_values({var_metric}{{namespace=~"$namespace"}}, job)'),
+        ]},
+        "panels": layout(rows),
+    }
+
+
+REBALANCE_ANNOTATION = {
+    "name": "Rebalances", "enable": True, "hide": False, "iconColor": "orange", "datasource": DS,
+    # Per job: the allocation of a role changed (rebalances move one pod at a time at a step boundary).
+    "expr": f'sum by (namespace, job) (changes(specrl_operator_allocation_replicas{{{SEL}, role="rollout"}}[2m])) > 0',
+    "step": "1m", "titleFormat": "Rebalance", "textFormat": "{{namespace}}/{{job}}: rollout allocation changed",
+    "tagKeys": "namespace,job", "useValueForTime": False,
+}
+OPERATOR_REBALANCE_ANNOTATION = {
+    "name": "Rebalances", "enable": True, "hide": False, "iconColor": "orange", "datasource": DS,
+    "expr": "sum by (reason, from_role, to_role) (increase(specrl_operator_rebalance_total[2m])) > 0",
+    "step": "1m", "titleFormat": "Rebalance {{reason}}", "textFormat": "{{from_role}} → {{to_role}}",
+    "tagKeys": "reason", "useValueForTime": False,
+}
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {
+        "job.json": dashboard(
+            "specrl-job", "specrl / job",
+            "One RLJob: rollout throughput and speculative decoding, queue and long tail, GPUs per role, weight "
+            "sync, training.", JOB_ROWS, "specrl_rollout_queue_depth", [REBALANCE_ANNOTATION]),
+        "operator.json": dashboard(
+            "specrl-operator", "specrl / operator",
+            "The specrl operator: reconciliation rate and latency, rebalances, jobs by phase.", OPERATOR_ROWS,
+            "specrl_operator_allocation_replicas", [OPERATOR_REBALANCE_ANNOTATION]),
+    }
+
+
+def render(board: dict[str, Any]) -> str:
+    return json.dumps(board, indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when a JSON file differs from the generator")
+    parser.add_argument("--out", type=Path, default=HERE, help="folder to write (default: next to this script)")
+    args = parser.parse_args(argv)
+    stale = []
+    for name, board in dashboards().items():
+        path = args.out / name
+        text = render(board)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print("stale dashboards (run python charts/specrl/dashboards/generate.py): " + ", ".join(stale),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
