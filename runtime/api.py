@@ -20,10 +20,9 @@ Entry points:
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -161,8 +160,16 @@ class ObjectMeta(BaseModel):
 # Spec
 
 
+_BUILTIN_CEL = "[" + ", ".join(f"'{m}'" for m in BUILTIN_MODELS) + "]"
+
+
 class ModelSpec(_Strict):
     """The policy model."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        (f"!self.name.startsWith('builtin:') || self.name in {_BUILTIN_CEL}",
+         f"unknown builtin model; expected one of {', '.join(BUILTIN_MODELS)}", ".name"),
+    ))
 
     name: str = Field(default="builtin:tiny", min_length=1, description=(
         "Hugging Face model id (e.g. Qwen/Qwen3-8B), a local path in the image, or a model the project builds "
@@ -243,8 +250,6 @@ class DatasetSpec(_Strict):
             problems.append(("path", "required when type is jsonl"))
         if self.type == "synthetic" and self.path is not None:
             problems.append(("path", "only used when type is jsonl"))
-        if self.type == "jsonl" and "synthetic" in self.model_fields_set:
-            problems.append(("synthetic", "only used when type is synthetic"))
         _raise(problems)
         return self
 
@@ -280,9 +285,6 @@ class AdaptiveSpec(_Strict):
 
     model_config = ConfigDict(json_schema_extra=_cel(
         ("self.minDraftTokens <= self.maxDraftTokens", "minDraftTokens must be <= maxDraftTokens", ".minDraftTokens"),
-        (("self.batchSizeBuckets.isSorted() && "
-         "self.batchSizeBuckets.all(b, self.batchSizeBuckets.exists_one(c, c == b))"),
-         "batchSizeBuckets must be strictly increasing", ".batchSizeBuckets"),
     ))
 
     toggle: bool = Field(default=True, description=(
@@ -295,19 +297,20 @@ class AdaptiveSpec(_Strict):
     epsilon: float = Field(default=0.1, ge=0, le=1, description="Exploration probability of the strategy bandit.")
     window: int = Field(default=1000, ge=1, description="Decode steps in the sliding window of acceptance/goodput statistics.")
     batch_size_buckets: list[Annotated[int, Field(ge=1)]] = Field(
-        default_factory=lambda: [1, 2, 5, 21], min_length=1, max_length=32, description=(
+        default_factory=lambda: [1, 2, 5, 21], min_length=1, max_length=32,
+        json_schema_extra={"x-kubernetes-list-type": "set"}, description=(
             "Lower bounds of the active-batch-size buckets the bandit keeps separate statistics for "
-            "(strictly increasing)."))
+            "(distinct; kept sorted)."))
 
     @model_validator(mode="after")
     def _check(self) -> AdaptiveSpec:
         problems = []
         if self.min_draft_tokens > self.max_draft_tokens:
             problems.append(("minDraftTokens", f"must be <= maxDraftTokens ({self.max_draft_tokens})"))
-        buckets = self.batch_size_buckets
-        if any(a >= b for a, b in itertools.pairwise(buckets)):
-            problems.append(("batchSizeBuckets", "must be strictly increasing"))
+        if len(set(self.batch_size_buckets)) != len(self.batch_size_buckets):
+            problems.append(("batchSizeBuckets", "must not repeat a value"))
         _raise(problems)
+        self.batch_size_buckets = sorted(self.batch_size_buckets)
         return self
 
 
@@ -328,6 +331,8 @@ class SpeculativeSpec(_Strict):
          "draftModel is required for methods draft_model and eagle3", ".draftModel"),
         ("self.method in ['draft_model', 'eagle', 'eagle3'] || !has(self.draftModel)",
          "draftModel is only used by methods draft_model, eagle and eagle3", ".draftModel"),
+        (f"!has(self.draftModel) || !self.draftModel.startsWith('builtin:') || self.draftModel in {_BUILTIN_CEL}",
+         f"unknown builtin model; expected one of {', '.join(BUILTIN_MODELS)}", ".draftModel"),
         (("self.numSpeculativeTokens >= self.adaptive.minDraftTokens && "
          "self.numSpeculativeTokens <= self.adaptive.maxDraftTokens"),
          "numSpeculativeTokens must lie within [adaptive.minDraftTokens, adaptive.maxDraftTokens]",
@@ -411,6 +416,10 @@ class ResourceRequirements(_Strict):
 class EnvVar(_Strict):
     """An environment variable for every container of the job."""
 
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!self.name.startsWith('SPECRL_')", "SPECRL_* variables are set by the operator", ".name"),
+    ))
+
     name: str = Field(pattern=ENV_NAME.pattern, description="Variable name.")
     value: str = Field(default="", description="Variable value.")
 
@@ -418,11 +427,19 @@ class EnvVar(_Strict):
 class PodTemplate(_Strict):
     """Overrides applied to every pod of the job (coordinator, trainers, rollout workers)."""
 
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!has(self.resources.requests) || !('nvidia.com/gpu' in self.resources.requests)",
+         "set spec.resources.gpusPerPod instead of nvidia.com/gpu", ".resources.requests"),
+        ("!has(self.resources.limits) || !('nvidia.com/gpu' in self.resources.limits)",
+         "set spec.resources.gpusPerPod instead of nvidia.com/gpu", ".resources.limits"),
+    ))
+
     node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector.")
     tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
         "Extra requests/limits (GPUs come from gpusPerPod; do not set nvidia.com/gpu here)."))
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables (unique names).",
+                              json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
     service_account_name: str | None = Field(default=None, description="Service account of the pods.")
@@ -632,7 +649,9 @@ class RLJobStatus(_Status):
     """Observed state of an RL job (written by the operator)."""
 
     phase: str | None = Field(default=None, description=f"One of {', '.join(PHASES)}.")
-    conditions: list[Condition] = Field(default_factory=list, description="Standard conditions.")
+    conditions: list[Condition] = Field(default_factory=list, description="Standard conditions (one per type).",
+                                        json_schema_extra={"x-kubernetes-list-type": "map",
+                                                           "x-kubernetes-list-map-keys": ["type"]})
     observed_generation: int | None = Field(default=None, description="Spec generation the status reflects.")
     allocation: Allocation | None = Field(default=None, description="Pods and GPUs per role.")
     rollout: RolloutSummary | None = Field(default=None, description="Rollout figures from the coordinator.")
@@ -827,9 +846,11 @@ def check_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
     jobs, problems = [], []
     for i, doc in enumerate(docs):
         try:
-            jobs.append(parse_job(doc, source=source if len(docs) == 1 else f"{source}[{i}]"))
+            jobs.append(parse_job(doc, source=source))
         except JobValidationError as exc:
-            problems += exc.problems
+            # Unnamed documents of a multi-document file are told apart by their position.
+            problems += [p if p.name or len(docs) == 1 else replace(p, name=f"<document {i + 1}>")
+                         for p in exc.problems]
     return jobs, problems
 
 
