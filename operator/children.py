@@ -23,8 +23,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 API_VERSION = "specrl.io/v1alpha1"
 KIND = "RLJob"
 CONFIG_MOUNT = "/etc/specrl"
@@ -144,54 +142,28 @@ def next_free_index(existing: Iterable[int]) -> int:
     return i
 
 
-# ---- spec accessors (tolerant to optional sub-objects) ----------------------------------------
-
-def _get(obj: Any, *path: str, default: Any = None) -> Any:
-    for name in path:
-        if obj is None:
-            return default
-        obj = obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
-    return default if obj is None else obj
-
+# ---- spec accessors ----------------------------------------------------------------------------
 
 def _plain(value: Any) -> Any:
-    """Pydantic models / enums -> JSON-ready data with camelCase keys."""
+    """Pydantic models -> JSON-ready data with camelCase keys and no nulls."""
     if hasattr(value, "model_dump"):
         return value.model_dump(by_alias=True, mode="json", exclude_none=True)
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return getattr(value, "value", value)
-
-
-def spec_dict(job: Any) -> dict[str, Any]:
-    return _plain(job.spec)
+    return value
 
 
 def image_of(job: Any) -> str:
-    return str(_get(job.spec, "resources", "image"))
+    return str(job.spec.resources.image)
 
 
 def gpus_per_pod(job: Any) -> int:
-    return int(_get(job.spec, "resources", "gpus_per_pod", default=1))
-
-
-def role_replicas(job: Any, role: str) -> int:
-    return int(_get(job.spec, "resources", role, "replicas", default=1))
-
-
-def role_bounds(job: Any, role: str) -> tuple[int, int]:
-    rep = role_replicas(job, role)
-    lo = int(_get(job.spec, "resources", role, "min_replicas", default=rep))
-    hi = int(_get(job.spec, "resources", role, "max_replicas", default=rep))
-    return lo, hi
+    return int(job.spec.resources.gpus_per_pod)
 
 
 # ---- manifests ----------------------------------------------------------------------------------
 
-def labels(owner: Owner, role: str | None = None) -> dict[str, str]:
-    out = {
+def labels(owner: Owner, role: str | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    out = dict(extra or {})
+    out |= {
         "app.kubernetes.io/name": "specrl",
         "app.kubernetes.io/instance": owner.name,
         "app.kubernetes.io/part-of": "specrl",
@@ -204,27 +176,19 @@ def labels(owner: Owner, role: str | None = None) -> dict[str, str]:
     return out
 
 
-def _meta(owner: Owner, name: str, role: str | None = None) -> dict[str, Any]:
+def _meta(owner: Owner, name: str, role: str | None = None, job: Any = None) -> dict[str, Any]:
     return {
         "name": name,
         "namespace": owner.namespace,
-        "labels": labels(owner, role),
+        # The job's own labels travel to every child (cost allocation, team selectors), ours win.
+        "labels": labels(owner, role, job.metadata.labels if job is not None else None),
         "ownerReferences": [owner.reference()],
     }
 
 
-def resolved_job(job: Any, owner: Owner) -> dict[str, Any]:
-    """The job as every pod reads it: the full spec with defaults filled in."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": {"name": owner.name, "namespace": owner.namespace},
-        "spec": spec_dict(job),
-    }
-
-
 def config_text(job: Any, owner: Owner) -> str:
-    return yaml.safe_dump(resolved_job(job, owner), sort_keys=False)
+    """The job as every pod reads it (``job.yaml``): resolved defaults, server-set metadata dropped."""
+    return str(job.config_yaml())
 
 
 def config_hash(job: Any, owner: Owner) -> str:
@@ -235,26 +199,26 @@ def config_map(job: Any, owner: Owner) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(owner, config_map_name(owner.name)),
+        "metadata": _meta(owner, config_map_name(owner.name), job=job),
         "data": {"job.yaml": config_text(job, owner)},
     }
 
 
-def secret(owner: Owner, token: str) -> dict[str, Any]:
+def secret(owner: Owner, token: str, job: Any = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(owner, secret_name(owner.name)),
+        "metadata": _meta(owner, secret_name(owner.name), job=job),
         "stringData": {"token": token},
     }
 
 
-def headless_service(owner: Owner) -> dict[str, Any]:
+def headless_service(owner: Owner, job: Any = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(owner, headless_service_name(owner.name)),
+        "metadata": _meta(owner, headless_service_name(owner.name), job=job),
         "spec": {
             "clusterIP": "None",
             # Rendezvous must resolve peers before they pass readiness.
@@ -267,11 +231,11 @@ def headless_service(owner: Owner) -> dict[str, Any]:
     }
 
 
-def coordinator_service(owner: Owner) -> dict[str, Any]:
+def coordinator_service(owner: Owner, job: Any = None) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(owner, coordinator_service_name(owner.name), "coordinator"),
+        "metadata": _meta(owner, coordinator_service_name(owner.name), "coordinator", job),
         "spec": {
             "selector": {LABEL_JOB: owner.name, LABEL_ROLE: "coordinator"},
             "ports": [
@@ -309,13 +273,8 @@ def _env(owner: Owner, role: str, index: int) -> list[dict[str, Any]]:
 
 
 def _pod_template(job: Any, role: str) -> dict[str, Any]:
-    """The spec's pod template overrides, the role's own (if the API has one) taking precedence."""
-    merged: dict[str, Any] = {}
-    for source in (_get(job.spec, "resources", "pod_template"), _get(job.spec, "resources", role, "pod_template")):
-        if source is not None:
-            for key, value in _plain(source).items():
-                merged[key] = value
-    return merged
+    """The spec's pod template overrides (camelCase dict), shared by every role."""
+    return dict(_plain(job.spec.resources.pod_template))
 
 
 def _resources(template: Mapping[str, Any], role: str, gpus: int) -> dict[str, Any]:
@@ -342,10 +301,11 @@ def pod(job: Any, owner: Owner, role: str, index: int) -> dict[str, Any]:
     env = _env(owner, role, index)
     reserved = {e["name"] for e in env}
     # User env may add variables but never override the contract with the runtime.
-    env += [dict(e) for e in template.get("env") or [] if e.get("name") not in reserved]
-    meta = _meta(owner, name, role)
-    meta["labels"][LABEL_INDEX] = str(index)
-    meta["annotations"] = {ANNOTATION_CONFIG_HASH: config_hash(job, owner)}
+    env += [{"name": e["name"], "value": e.get("value", "")} for e in template.get("env") or []
+            if e.get("name") not in reserved]
+    meta = _meta(owner, name, role, job)
+    meta["labels"] = {**template.get("labels", {}), **meta["labels"], LABEL_INDEX: str(index)}
+    meta["annotations"] = {**template.get("annotations", {}), ANNOTATION_CONFIG_HASH: config_hash(job, owner)}
     ports = [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
     if role == "coordinator":
         ports = [
@@ -357,7 +317,6 @@ def pod(job: Any, owner: Owner, role: str, index: int) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": role,
         "image": image_of(job),
-        "imagePullPolicy": "IfNotPresent",
         "command": ["specrl", "worker", role, "--config", CONFIG_FILE],
         "env": env,
         "ports": ports,
@@ -391,6 +350,12 @@ def pod(job: Any, owner: Owner, role: str, index: int) -> dict[str, Any]:
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         ],
     }
+    if template.get("imagePullPolicy"):
+        container["imagePullPolicy"] = template["imagePullPolicy"]
+    if template.get("serviceAccountName"):
+        spec["serviceAccountName"] = template["serviceAccountName"]
+    if template.get("priorityClassName"):
+        spec["priorityClassName"] = template["priorityClassName"]
     if template.get("nodeSelector"):
         spec["nodeSelector"] = dict(template["nodeSelector"])
     if template.get("tolerations"):
@@ -424,9 +389,9 @@ def desired(
     """
     static = {
         ("ConfigMap", config_map_name(owner.name)): config_map(job, owner),
-        ("Secret", secret_name(owner.name)): secret(owner, token),
-        ("Service", headless_service_name(owner.name)): headless_service(owner),
-        ("Service", coordinator_service_name(owner.name)): coordinator_service(owner),
+        ("Secret", secret_name(owner.name)): secret(owner, token, job),
+        ("Service", headless_service_name(owner.name)): headless_service(owner, job),
+        ("Service", coordinator_service_name(owner.name)): coordinator_service(owner, job),
     }
     by_role: dict[str, list[int]] = {r: [] for r in ALL_ROLES}
     for name in existing_pods:

@@ -164,6 +164,10 @@ class KubeClient:
                 return None
             raise
 
+    async def patch(self, kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        await self._request("PATCH", self.url(kind, namespace, name), dict(body),
+                            content_type="application/merge-patch+json")
+
     async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         await self._request(
             "PATCH",

@@ -1,32 +1,34 @@
 """Elastic rebalancing policy: which GPUs should move between the trainer and rollout roles, if any.
 
-Pure and deterministic (no I/O, no clock): the operator's timer and the cluster simulator
+Pure and deterministic (no I/O, no clock, no randomness): the operator's timer and the cluster simulator
 (`specrl.runtime.sim`) both call :func:`decide` with the coordinator's latest signals, the current
-allocation, the policy knobs from ``spec.elastic``/``spec.resources`` and the time of the last move.
-The caller executes the returned :class:`Move` (drain the victim, delete its pod, create one of the
-other role) and records it as the new :class:`LastMove`.
+allocation, the policy knobs from ``spec.elastic``/``spec.resources`` (:meth:`PolicyConfig.from_spec`),
+the time of the last move and the hysteresis streak returned by the previous call. The caller executes
+the returned :class:`Move` (drain the victim, delete its pod, create one of the other role), records it
+as the new :class:`LastMove` and passes the returned streak back in on the next poll.
 
-The rules, with ``Q`` = queue depth, ``B`` = trainer backlog, ``A`` = active sequences, ``S`` = step
-batch size and ``h`` = hysteresis (a fraction of the queue high watermark ``W``):
+Signals: ``Q`` = queue depth, ``B`` = trainer backlog, ``A`` = active sequences, ``S`` = step batch size,
+``R`` = rollout replicas now; ``W``/``L`` = ``queueHighWatermark``/``queueLowWatermark`` (prompts per
+rollout worker), ``f`` = ``longTailFraction``.
 
-* **Pull towards rollout** (rollout is the bottleneck)
-  - ``QueueBacklog``: ``Q >= W`` — prompts wait for a free rollout slot;
-  - ``TrainerStarved`` (async mode): ``B == 0`` while ``Q > (1 - h)·W`` and no long tail —
-    trainers idle because rollouts cannot keep up.
-* **Push towards trainer** (only when no pull rule fires and ``Q < (1 - h)·W``)
+* **Pull towards rollout** (rollout is the bottleneck):
+  - ``QueueBacklog``: ``Q > W·R`` — prompts wait for a free rollout slot;
+  - ``TrainerStarved`` (async mode): ``B == 0``, ``Q > L·R`` and no long tail — trainers idle because
+    rollouts cannot keep up.
+* **Push towards trainer** (only when no pull rule fires and ``Q <= L·R``):
   - ``TrainerBacklog`` (async mode): ``B >= trainerBacklogHighWatermark`` — samples pile up for training;
-  - ``LongTail``: the coordinator reports a long tail and ``A <= longTailFraction·S`` — a few long
-    sequences occupy rollout pods whose GPUs sit mostly idle.
+  - ``LongTail``: the coordinator reports a long tail and ``A < f·S`` — a few long sequences occupy rollout
+    pods whose GPUs sit mostly idle.
 
-Pull and push thresholds are separated by the hysteresis band, so for any one input at most one
-direction is possible: on a constant input the policy moves monotonically until a bound stops it and
-never reverses (no oscillation). Every move also respects:
+Guards, in order: elastic rebalancing enabled; the job is running (not Starting/Syncing/Complete/Failed);
+no worker still draining (one move at a time); a want that ``hysteresis`` consecutive polls agree on;
+``cooldownSeconds`` since the previous move; the donor stays at or above its ``minReplicas``, the
+receiver at or below its ``maxReplicas``; ``(trainer + rollout)·gpusPerPod <= totalGPUs`` (a move keeps
+the total, so an allocation that is already over budget is left to reconciliation).
 
-* one move at a time: nothing while a worker is still draining, nothing inside ``cooldownSeconds``
-  of the previous move, nothing during weight sync or before the job runs;
-* bounds: the donor role never drops below its minimum, the receiver never exceeds its maximum;
-* the GPU budget: ``(trainer + rollout) · gpusPerPod <= totalGPUs`` after the move (a move keeps the
-  total constant, so an over-budget allocation — e.g. after a spec edit — is left to reconciliation).
+No oscillation: a move is made only if, in the allocation it produces and on the same signals, the policy
+would not want the opposite move. Hence on a constant input consecutive moves never reverse each other:
+the allocation moves monotonically until a bound, the budget or the watermarks stop it.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 Role = Literal["trainer", "rollout"]
 ROLES: tuple[Role, Role] = ("trainer", "rollout")
 
 # Coordinator phases in which moving a worker would disturb the step loop rather than help it.
-_QUIET_PHASES = frozenset({"Starting", "Syncing", "Complete", "Failed"})
+QUIET_PHASES = frozenset({"Starting", "Syncing", "Complete", "Failed"})
 _POD_INDEX = re.compile(r"-(trainer|rollout)-(\d+)$")
 
 
@@ -68,7 +70,7 @@ class Signals:
     workers: tuple[WorkerState, ...] = ()
 
     @classmethod
-    def from_status(cls, status: dict) -> Signals:
+    def from_status(cls, status: dict[str, Any]) -> Signals:
         """Build from the coordinator's camelCase JSON; unknown keys are ignored, missing ones default."""
         workers = tuple(
             WorkerState(name=str(w.get("name", "")), role=str(w.get("role", "")), state=str(w.get("state", "")))
@@ -102,14 +104,14 @@ class Allocation:
     def of(self, role: str) -> int:
         return self.trainer if role == "trainer" else self.rollout
 
-    def after(self, move: Move) -> Allocation:
-        delta = {move.from_role: -move.count, move.to_role: move.count}
+    def after(self, from_role: str, to_role: str, count: int = 1) -> Allocation:
+        delta = {from_role: -count, to_role: count}
         return Allocation(trainer=self.trainer + delta.get("trainer", 0), rollout=self.rollout + delta.get("rollout", 0))
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Policy knobs, normally taken from an RLJob spec with :meth:`from_spec`."""
+    """Policy knobs, normally taken from an RLJob spec with :meth:`from_spec` (defaults match the API)."""
 
     trainer_min: int = 1
     trainer_max: int = 1_000_000
@@ -119,50 +121,38 @@ class PolicyConfig:
     total_gpus: int | None = None  # None: no budget beyond the role maxima
     mode: str = "sync"
     enabled: bool = True
-    cooldown_seconds: float = 60.0
+    cooldown_seconds: float = 120.0
     long_tail_fraction: float = 0.25
     queue_high_watermark: int = 64
-    trainer_backlog_high_watermark: int = 64
-    hysteresis: float = 0.2
+    queue_low_watermark: int = 0
+    trainer_backlog_high_watermark: int = 256
+    hysteresis: int = 3
     max_pods_per_move: int = 1
 
     def bounds(self, role: str) -> tuple[int, int]:
         return (self.trainer_min, self.trainer_max) if role == "trainer" else (self.rollout_min, self.rollout_max)
 
     @classmethod
-    def from_spec(cls, spec: object) -> PolicyConfig:
-        """Read ``spec.resources``, ``spec.elastic`` and ``spec.mode`` from an RLJob spec model.
-
-        Attribute access only (snake_case, as in ``specrl.runtime.api``); absent optional knobs keep
-        the defaults above, so older specs keep working.
-        """
-        res = getattr(spec, "resources")
-        el = getattr(spec, "elastic", None)
-        trainer, rollout = res.trainer, res.rollout
-
-        def pick(obj: object, name: str, default: object) -> object:
-            value = getattr(obj, name, None) if obj is not None else None
-            return default if value is None else value
-
-        t_rep = int(pick(trainer, "replicas", 1))
-        r_rep = int(pick(rollout, "replicas", 1))
-        mode = getattr(spec, "mode", "sync")
-        mode = getattr(mode, "value", mode)
+    def from_spec(cls, spec: Any) -> PolicyConfig:
+        """Read an ``RLJobSpec`` (``specrl.runtime.api``), preferably of ``job.resolved()`` so that the
+        derived defaults (``totalGPUs``, ``maxReplicas``) are filled in."""
+        res, el = spec.resources, spec.elastic
+        t, r = res.trainer, res.rollout
         return cls(
-            trainer_min=int(pick(trainer, "min_replicas", t_rep)),
-            trainer_max=int(pick(trainer, "max_replicas", t_rep)),
-            rollout_min=int(pick(rollout, "min_replicas", r_rep)),
-            rollout_max=int(pick(rollout, "max_replicas", r_rep)),
-            gpus_per_pod=int(pick(res, "gpus_per_pod", 1)),
-            total_gpus=pick(res, "total_gpus", None),  # type: ignore[arg-type]
-            mode=str(mode),
-            enabled=bool(pick(el, "enabled", False)),
-            cooldown_seconds=float(pick(el, "cooldown_seconds", 60.0)),
-            long_tail_fraction=float(pick(el, "long_tail_fraction", 0.25)),
-            queue_high_watermark=int(pick(el, "queue_high_watermark", 64)),
-            trainer_backlog_high_watermark=int(pick(el, "trainer_backlog_high_watermark", 64)),
-            hysteresis=float(pick(el, "hysteresis", 0.2)),
-            max_pods_per_move=int(pick(el, "max_pods_per_move", 1)),
+            trainer_min=int(t.min_replicas),
+            trainer_max=int(t.max_replicas if t.max_replicas is not None else t.replicas),
+            rollout_min=int(r.min_replicas),
+            rollout_max=int(r.max_replicas if r.max_replicas is not None else r.replicas),
+            gpus_per_pod=int(res.gpus_per_pod),
+            total_gpus=None if res.total_gpus is None or res.gpus_per_pod == 0 else int(res.total_gpus),
+            mode=str(spec.mode),
+            enabled=bool(el.enabled),
+            cooldown_seconds=float(el.cooldown_seconds),
+            long_tail_fraction=float(el.long_tail_fraction),
+            queue_high_watermark=int(el.queue_high_watermark),
+            queue_low_watermark=int(el.queue_low_watermark),
+            trainer_backlog_high_watermark=int(el.trainer_backlog_high_watermark),
+            hysteresis=int(el.hysteresis),
         )
 
 
@@ -171,6 +161,30 @@ class LastMove:
     time: float
     from_role: str
     to_role: str
+
+
+@dataclass(frozen=True)
+class Want:
+    """A direction the signals ask for, before guards: ``from_role`` -> ``to_role`` because ``reason``."""
+
+    from_role: Role
+    to_role: Role
+    reason: str
+    message: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class Streak:
+    """How many consecutive polls wanted the same direction (the hysteresis counter)."""
+
+    direction: tuple[str, str] | None = None
+    count: int = 0
+
+    def update(self, want: Want | None) -> Streak:
+        if want is None:
+            return Streak()
+        direction = (want.from_role, want.to_role)
+        return Streak(direction, self.count + 1 if direction == self.direction else 1)
 
 
 @dataclass(frozen=True)
@@ -185,28 +199,33 @@ class Move:
     message: str = field(default="", compare=False)
 
 
-def pull_reason(s: Signals, cfg: PolicyConfig) -> tuple[str, str] | None:
-    """Why rollout needs more GPUs (reason, message), or None."""
-    w = cfg.queue_high_watermark
-    if s.queue_depth >= w:
-        return "QueueBacklog", f"rollout queue depth {s.queue_depth} >= high watermark {w}"
-    if cfg.mode == "async" and s.trainer_backlog == 0 and not s.long_tail and s.queue_depth > (1 - cfg.hysteresis) * w:
-        return "TrainerStarved", f"trainer backlog is empty while {s.queue_depth} prompts wait for rollout"
-    return None
+@dataclass(frozen=True)
+class Decision:
+    move: Move | None
+    streak: Streak
+    want: Want | None = None
+    held: str = ""  # why a want did not become a move (for logs and the simulator's trace)
 
 
-def push_reason(s: Signals, cfg: PolicyConfig) -> tuple[str, str] | None:
-    """Why the trainer should get GPUs back (reason, message), or None. Assumes no pull reason."""
-    if s.queue_depth >= (1 - cfg.hysteresis) * cfg.queue_high_watermark:
-        return None  # inside the hysteresis band: hold
+def want(s: Signals, alloc: Allocation, cfg: PolicyConfig) -> Want | None:
+    """The direction the signals ask for in this allocation, ignoring every guard."""
+    r = max(alloc.rollout, 1)
+    w, lo = cfg.queue_high_watermark, cfg.queue_low_watermark
+    if s.queue_depth > w * r:
+        return Want("trainer", "rollout", "QueueBacklog",
+                    f"rollout queue depth {s.queue_depth} > {w} per worker x {r} rollout workers")
+    if cfg.mode == "async" and s.trainer_backlog == 0 and not s.long_tail and s.queue_depth > lo * r:
+        return Want("trainer", "rollout", "TrainerStarved",
+                    f"trainer backlog is empty while {s.queue_depth} prompts wait for {r} rollout workers")
+    if s.queue_depth > lo * r:
+        return None  # between the watermarks: hold
     tb = cfg.trainer_backlog_high_watermark
     if cfg.mode == "async" and s.trainer_backlog >= tb:
-        return "TrainerBacklog", f"trainer backlog {s.trainer_backlog} >= high watermark {tb}"
-    if s.long_tail and s.step_batch_size > 0 and s.active_sequences <= cfg.long_tail_fraction * s.step_batch_size:
-        return "LongTail", (
-            f"long tail: {s.active_sequences} of {s.step_batch_size} sequences still decoding "
-            f"(<= {cfg.long_tail_fraction:g} of the step)"
-        )
+        return Want("rollout", "trainer", "TrainerBacklog", f"trainer backlog {s.trainer_backlog} >= {tb} samples")
+    if s.long_tail and (s.step_batch_size <= 0 or s.active_sequences < cfg.long_tail_fraction * s.step_batch_size):
+        return Want("rollout", "trainer", "LongTail",
+                    f"long tail: {s.active_sequences} of {s.step_batch_size} sequences still decoding "
+                    f"(< {cfg.long_tail_fraction:g} of the step)")
     return None
 
 
@@ -222,14 +241,23 @@ def pick_victim(role: str, pods: Iterable[str], exclude: Sequence[str] = ()) -> 
     return best[1] if best else None
 
 
-def _room(alloc: Allocation, cfg: PolicyConfig, src: str, dst: str) -> int:
+def room(alloc: Allocation, cfg: PolicyConfig, src: str, dst: str) -> int:
     """How many pods may move from ``src`` to ``dst`` without breaking a bound or the budget."""
-    src_min, _ = cfg.bounds(src)
-    _, dst_max = cfg.bounds(dst)
-    room = min(alloc.of(src) - src_min, dst_max - alloc.of(dst))
     if cfg.total_gpus is not None and (alloc.trainer + alloc.rollout) * cfg.gpus_per_pod > cfg.total_gpus:
         return 0
-    return max(0, room)
+    src_min, _ = cfg.bounds(src)
+    _, dst_max = cfg.bounds(dst)
+    return max(0, min(alloc.of(src) - src_min, dst_max - alloc.of(dst)))
+
+
+def _pressure(s: Signals, alloc: Allocation, cfg: PolicyConfig, reason: str) -> int:
+    """How many pods the signal justifies (at least one)."""
+    if reason == "QueueBacklog":
+        # Enough rollout workers to bring the queue back to the high watermark.
+        return max(1, math.ceil(s.queue_depth / max(1, cfg.queue_high_watermark)) - alloc.rollout)
+    if reason == "TrainerBacklog":
+        return max(1, s.trainer_backlog // max(1, cfg.trainer_backlog_high_watermark))
+    return 1
 
 
 def decide(
@@ -238,36 +266,36 @@ def decide(
     cfg: PolicyConfig,
     now: float,
     last: LastMove | None = None,
-) -> Move | None:
-    """Return the one move to make now, or None. See the module docstring for the rules."""
-    if not cfg.enabled or signals.complete or signals.phase in _QUIET_PHASES:
-        return None
+    streak: Streak = Streak(),
+) -> Decision:
+    """The one move to make now (or None) and the streak to pass to the next call. See the module doc."""
+    if not cfg.enabled:
+        return Decision(None, Streak(), held="elastic rebalancing is disabled")
+    if signals.complete or signals.phase in QUIET_PHASES:
+        return Decision(None, Streak(), held=f"coordinator phase {signals.phase}")
     if signals.draining:
-        return None  # a previous move is still in flight
+        return Decision(None, Streak(), held=f"{', '.join(signals.draining)} still draining")
+    w = want(signals, alloc, cfg)
+    streak = streak.update(w)
+    if w is None:
+        return Decision(None, streak)
+    if streak.count < cfg.hysteresis:
+        return Decision(None, streak, w, held=f"{streak.count}/{cfg.hysteresis} polls agree")
     if last is not None and now - last.time < cfg.cooldown_seconds:
-        return None
-
-    pulled = pull_reason(signals, cfg)
-    if pulled is not None:
-        src, dst, (reason, message) = "trainer", "rollout", pulled
-    else:
-        pushed = push_reason(signals, cfg)
-        if pushed is None:
-            return None
-        src, dst, (reason, message) = "rollout", "trainer", pushed
-
-    room = _room(alloc, cfg, src, dst)
-    if room <= 0:
-        return None
-    count = min(room, max(1, cfg.max_pods_per_move), _pressure(signals, cfg, reason))
-    victim = pick_victim(src, alloc.pods) if alloc.pods else None
-    return Move(from_role=src, to_role=dst, count=count, reason=reason, victim=victim, message=message)  # type: ignore[arg-type]
-
-
-def _pressure(s: Signals, cfg: PolicyConfig, reason: str) -> int:
-    """How many pods the signal justifies (at least one): multiples of the watermark that are exceeded."""
-    if reason == "QueueBacklog":
-        return max(1, math.floor(s.queue_depth / max(1, cfg.queue_high_watermark)))
-    if reason == "TrainerBacklog":
-        return max(1, math.floor(s.trainer_backlog / max(1, cfg.trainer_backlog_high_watermark)))
-    return 1
+        left = cfg.cooldown_seconds - (now - last.time)
+        return Decision(None, streak, w, held=f"cooldown: {left:.0f}s left")
+    n = min(room(alloc, cfg, w.from_role, w.to_role), max(1, cfg.max_pods_per_move),
+            _pressure(signals, alloc, cfg, w.reason))
+    if n <= 0:
+        return Decision(None, streak, w, held=f"{w.from_role} at its minimum, {w.to_role} at its maximum or over budget")
+    # Never make a move the policy would want to undo on the same signals.
+    while n > 0:
+        back = want(signals, alloc.after(w.from_role, w.to_role, n), cfg)
+        if back is None or (back.from_role, back.to_role) == (w.from_role, w.to_role):
+            break
+        n -= 1
+    if n <= 0:
+        return Decision(None, streak, w, held="the move would be reversed on the same signals")
+    victim = pick_victim(w.from_role, alloc.pods) if alloc.pods else None
+    move = Move(w.from_role, w.to_role, n, w.reason, victim, w.message)
+    return Decision(move, Streak(), w)

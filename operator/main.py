@@ -1,0 +1,89 @@
+"""``specrl operator``: run the RLJob operator (kopf) with settings chosen on purpose.
+
+The arguments are parsed in :mod:`specrl.runtime.cli`; :func:`main` receives them. Settings and why:
+
+* **standalone** unless ``--peering NAME``: one replica (Deployment ``strategy: Recreate``) is the normal
+  set-up. For a hot standby run two replicas with ``--peering specrl`` and a ``KopfPeering`` (namespaced)
+  or ``ClusterKopfPeering`` object of that name; each instance gets a random priority, the highest one
+  serves, the other waits and takes over when the leader's heartbeat (60 s lifetime) stops.
+* **progress and diff-base in status** (``status.kopf``): kopf's bookkeeping rides on the status patch the
+  operator sends anyway, instead of an extra metadata patch per change.
+* **finalizer** ``specrl.io/operator`` (needed because each job has a timer; removed once the timer stops).
+* **events**: kopf's own per-handler chatter is off (posting level WARNING); the operator posts its own
+  Events on every phase/condition transition, rebalance and pod failure.
+* **watch timeouts**: the server closes a watch after 300 s and the client gives up after 330 s, so a
+  silently stalled stream (load balancers, kopf #698) is re-established; API requests time out after 30 s.
+* **liveness**: ``GET http://0.0.0.0:<--health-port>/healthz`` (kopf's probe endpoint, includes job count).
+* **graceful shutdown**: SIGTERM/SIGINT stop the watches, cancel timers (a move in flight is resumed by the
+  next operator from ``status.pendingMove``), and exit; a stuck shutdown is forced after 30 s.
+* **metrics**: Prometheus ``/metrics`` on ``--metrics-port`` (``specrl_operator_*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+
+import kopf
+
+from specrl.operator import handlers
+from specrl.operator import metrics as m
+from specrl.operator.reconcile import OperatorConfig
+
+FINALIZER = "specrl.io/operator"
+
+
+def settings(args: argparse.Namespace) -> kopf.OperatorSettings:
+    s = kopf.OperatorSettings()
+    s.persistence.finalizer = FINALIZER
+    s.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
+    s.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(field="status.kopf.last-handled-configuration")
+    s.posting.level = logging.WARNING
+    s.watching.server_timeout = 300
+    s.watching.client_timeout = 330
+    s.watching.connect_timeout = 10
+    s.networking.request_timeout = 30
+    s.networking.connect_timeout = 10
+    s.process.ultimate_exiting_timeout = 30
+    s.peering.standalone = args.peering is None
+    if args.peering is not None:
+        s.peering.name = args.peering
+        s.peering.mandatory = True
+        s.peering.clusterwide = not args.namespaces
+        s.peering.priority = random.randint(1, 10_000)  # equal priorities would freeze both instances
+    return s
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if not args.verbose:
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if "{name}" not in args.coordinator_url_template:
+        print("specrl operator: --coordinator-url-template must contain {name} (and usually {namespace})",
+              file=sys.stderr)
+        return 2
+    config = OperatorConfig(coordinator_url_template=args.coordinator_url_template, poll_interval=args.poll_interval)
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, config)
+    try:
+        m.serve(args.metrics_port)
+    except OSError as exc:
+        print(f"specrl operator: --metrics-port {args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    namespaces = list(args.namespaces or [])
+    kopf.run(
+        registry=registry,
+        settings=settings(args),
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+    )
+    return 0
