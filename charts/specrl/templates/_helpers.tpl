@@ -73,10 +73,16 @@ namespace; the cluster rules are what kopf needs to discover resources and names
   verbs: ["get", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+  verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
-  resources: ["services", "configmaps", "secrets"]
-  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+  resources: ["configmaps"]
+  verbs: ["create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
@@ -95,10 +101,10 @@ namespace; the cluster rules are what kopf needs to discover resources and names
 {{- define "specrl.rbac.peeringClusterRules" -}}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
-  verbs: ["list", "watch", "patch", "get"]
+  verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 {{- define "specrl.rbac.peeringNamespacedRules" -}}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
-  verbs: ["list", "watch", "patch", "get"]
+  verbs: ["get", "list", "watch", "patch"]
 {{- end }}

@@ -1,0 +1,157 @@
+"""Dashboard JSON: generated from generate.py, structurally valid for Grafana, and only reading real metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from collections import Counter
+from typing import Any
+
+import pytest
+from chart_support import CHART, DASHBOARDS, dashboard_queries, iter_panels, load_dashboards, metric_names
+
+from specrl.operator import metrics as operator_metrics
+from specrl.runtime.metrics import METRIC_NAMES as RUNTIME_METRIC_NAMES
+
+BOARDS = load_dashboards()
+DS_REF = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+
+
+def _generator() -> Any:
+    spec = importlib.util.spec_from_file_location("specrl_dashboards_generate", DASHBOARDS / "generate.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def operator_metric_names() -> set[str]:
+    """Sample names of everything the operator's registry exports (counters with _total, histogram series)."""
+    names: set[str] = set()
+    for family in operator_metrics.REGISTRY.collect():
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+        elif family.type == "histogram":
+            names |= {f"{family.name}_bucket", f"{family.name}_sum", f"{family.name}_count"}
+        else:
+            names.add(family.name)
+    return names
+
+
+KNOWN = set(RUNTIME_METRIC_NAMES) | operator_metric_names()
+
+
+def test_both_dashboards_exist() -> None:
+    assert set(BOARDS) == {"job.json", "operator.json"}
+    assert {b["title"] for b in BOARDS.values()} == {"specrl / job", "specrl / operator"}
+    assert len({b["uid"] for b in BOARDS.values()}) == 2
+
+
+def test_json_is_what_the_generator_writes(tmp_path: Any) -> None:
+    gen = _generator()
+    assert gen.main(["--out", str(tmp_path)]) == 0
+    for name in BOARDS:
+        assert (tmp_path / name).read_text() == (DASHBOARDS / name).read_text(), (
+            f"{name} is stale: run python charts/specrl/dashboards/generate.py")
+    assert gen.main(["--check"]) == 0
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_datasource_input_and_variables(name: str) -> None:
+    board = BOARDS[name]
+    assert [i["name"] for i in board["__inputs"]] == ["DS_PROMETHEUS"]
+    assert board["__inputs"][0]["pluginId"] == "prometheus"
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert set(variables) == {"DS_PROMETHEUS", "namespace", "job"}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    for var in ("namespace", "job"):
+        v = variables[var]
+        assert v["type"] == "query" and v["datasource"] == DS_REF
+        assert v["includeAll"] and v["allValue"] == ".*" and v["multi"]
+        assert v["query"]["query"].startswith("label_values(")
+    # job depends on namespace, so picking a namespace narrows the job list.
+    assert "$namespace" in variables["job"]["query"]["query"]
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_panels_structure(name: str) -> None:
+    board = BOARDS[name]
+    panels = list(iter_panels(board["panels"]))
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {[i for i, n in Counter(ids).items() if n > 1]}"
+    assert all(isinstance(i, int) and i > 0 for i in ids)
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, f"{p['title']}: gridPos out of the 24-column grid"
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{name}: panel {p['title']!r} overlaps another panel"
+                cells.add((x, y))
+        if p["type"] == "row":
+            continue
+        assert p["title"] and p["description"], f"{name}: panel {p.get('id')} needs a title and description"
+        assert p["datasource"] == DS_REF, f"{p['title']}: datasource must be ${{DS_PROMETHEUS}}"
+        assert p["targets"], f"{p['title']}: no targets"
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), f"{p['title']}: duplicate refIds"
+        for t in p["targets"]:
+            assert t["datasource"] == DS_REF
+            assert t["expr"].strip() and t["legendFormat"]
+    assert sum(1 for p in panels if p["type"] != "row") >= 5
+
+
+def test_job_dashboard_covers_the_issue() -> None:
+    titles = " | ".join(p["title"].lower() for p in iter_panels(BOARDS["job.json"]["panels"]))
+    for needle in ("throughput", "acceptance rate", "acceptance length", "speculative decoding on", "draft length",
+                   "queue depth", "active sequences", "long-tail", "per role", "weight-sync duration",
+                   "weight-sync bandwidth", "step time", "backlog", "reward"):
+        assert needle in titles, f"job dashboard has no {needle!r} panel"
+    annotations = [a for a in BOARDS["job.json"]["annotations"]["list"] if a.get("expr")]
+    assert annotations and "allocation" in annotations[0]["expr"], "rebalance annotations missing"
+    titles = " | ".join(p["title"].lower() for p in iter_panels(BOARDS["operator.json"]["panels"]))
+    for needle in ("reconcile rate", "reconcile latency", "rebalances by reason", "jobs by phase"):
+        assert needle in titles, f"operator dashboard has no {needle!r} panel"
+
+
+def test_acceptance_queries_are_vllm_style() -> None:
+    exprs = {q.where: q.expr for q in dashboard_queries(BOARDS["job.json"], "job.json")}
+    rate = next(e for w, e in exprs.items() if "acceptance rate" in w)
+    length = next(e for w, e in exprs.items() if "acceptance length" in w)
+    assert re.search(r"rate\(specrl_spec_decode_num_accepted_tokens_total.*\)\) / .*rate\("
+                     r"specrl_spec_decode_num_draft_tokens_total", rate)
+    assert length.startswith("1 + ") and "specrl_spec_decode_num_drafts_total" in length
+
+
+def test_every_job_query_is_scoped_to_the_variables() -> None:
+    for q in dashboard_queries(BOARDS["job.json"], "job.json"):
+        assert 'namespace=~"$namespace"' in q.expr and 'job=~"$job"' in q.expr, q.where
+
+
+@pytest.mark.parametrize("name", sorted(BOARDS))
+def test_dashboard_metrics_exist_in_the_registries(name: str) -> None:
+    unknown = {}
+    for q in dashboard_queries(BOARDS[name], name):
+        names = metric_names(q.expr)
+        assert names, f"{q.where}: reads no specrl metric"
+        if names - KNOWN:
+            unknown[q.where] = sorted(names - KNOWN)
+    assert not unknown, f"metrics used by the dashboards but exported by no registry: {unknown}"
+
+
+def test_alert_metrics_exist_in_the_registries() -> None:
+    text = (CHART / "templates" / "prometheusrule.yaml").read_text()
+    names = metric_names(text)
+    assert len(names) >= 6
+    assert names <= KNOWN, f"alerts read unknown metrics: {sorted(names - KNOWN)}"
+
+
+def test_known_set_is_not_trivially_wide() -> None:
+    # Guards the two tests above: a typo'd name must not be in the set.
+    assert "specrl_rollout_generated_tokens_total" in KNOWN
+    assert "specrl_operator_reconcile_duration_seconds_bucket" in KNOWN
+    assert "specrl_operator_jobs" in KNOWN
+    assert "specrl_rollout_generated_token_total" not in KNOWN
