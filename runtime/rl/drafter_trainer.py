@@ -1,0 +1,92 @@
+"""Drafter training on idle capacity (TLT): keep the draft model close to the moving policy.
+
+As RL moves the policy, a frozen drafter's acceptance decays and speculation stops paying. While a trainer
+waits for samples (the rollout phase, and above all its long tail, when most rollout capacity idles) it
+fits the drafter to the policy's own recent rollouts: next-token cross-entropy on the response tokens
+the policy sampled, from a small replay buffer of recent steps. The trained drafter ships with the next
+weight sync (`drafter.*` tensors next to `policy.*`), so every rollout worker's proposer is refreshed in the
+same transfer.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from specrl.runtime.rl.settings import RunSettings
+
+
+class DrafterTrainer:
+    def __init__(self, model: torch.nn.Module, lr: float = 1e-3, buffer_sequences: int = 512, seed: int = 0,
+                 batch_size: int = 16) -> None:
+        self.model = model
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        self.buffer: deque[tuple[list[int], int]] = deque(maxlen=buffer_sequences)
+        self.rng = random.Random(seed)
+        self.batch_size = batch_size
+        self.steps_total = 0
+        self.last_loss = float("nan")
+
+    @classmethod
+    def from_settings(cls, settings: RunSettings) -> DrafterTrainer:
+        from specrl.runtime.models.bootstrap import load_policy
+
+        assert settings.draft_model
+        return cls(load_policy(settings.draft_model)[0], lr=settings.drafter_lr, seed=settings.seed)
+
+    def add(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:
+        for seq, n in zip(sequences, prompt_lens):
+            if len(seq) > n:
+                self.buffer.append((list(seq), int(n)))
+
+    def loss_on(self, batch: list[tuple[list[int], int]]) -> torch.Tensor:
+        T = max(len(s) for s, _ in batch)
+        ids = torch.zeros((len(batch), T), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        labels = torch.full_like(ids, -100)
+        for i, (seq, n) in enumerate(batch):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            attn[i, : len(seq)] = 1
+            labels[i, n: len(seq)] = torch.tensor(seq[n:])  # only response tokens are drafted
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+
+    def train(self, sequences: list[list[int]], prompt_lens: list[int], *, max_steps: int,
+              deadline_s: float) -> dict[str, float]:
+        """Add the sequences to the buffer, then take up to `max_steps` optimizer steps before the deadline."""
+        self.add(sequences, prompt_lens)
+        steps, losses = 0, []
+        end = time.monotonic() + max(0.0, deadline_s)
+        self.model.train()
+        while steps < max_steps and self.buffer and time.monotonic() < end:
+            batch = self.rng.sample(list(self.buffer), min(self.batch_size, len(self.buffer)))
+            loss = self.loss_on(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+            steps += 1
+        self.steps_total += steps
+        if losses:
+            self.last_loss = sum(losses) / len(losses)
+        return {"steps": steps, "loss": self.last_loss}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "steps_total": self.steps_total, "rng": self.rng.getstate(),
+                "buffer": list(self.buffer)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_total = int(state["steps_total"])
+        self.rng.setstate(state["rng"])
+        self.buffer.clear()
+        self.buffer.extend((list(s), int(n)) for s, n in state["buffer"])

@@ -1,0 +1,132 @@
+"""The flat view of an RLJob that the runtime's workers read.
+
+`specrl.runtime.api.RLJob` is the one source of truth for the spec; `RunSettings.from_job` maps it onto the
+few values the coordinator, trainers and rollout workers need, so those modules do not reach deep into the
+spec tree and a worker can be handed a small picklable object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    job: str = "local"
+    namespace: str = "default"
+    model: str = "builtin:tiny"
+    dtype: str = "float32"
+    draft_model: str | None = "builtin:tiny-draft"
+    method: str = "draft_model"
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+    dataset: str = "builtin:arithmetic"
+    dataset_size: int = 2000
+    difficulty: dict[str, float] | None = None
+    reward: str = "builtin:exact_match"
+    group_size: int = 4
+    prompts_per_step: int = 8
+    steps: int = 10
+    lr: float = 1e-5
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    mode: str = "sync"
+    max_staleness: int = 0
+    long_tail_fraction: float = 0.25
+    drafter_training: bool = True
+    drafter_lr: float = 1e-3
+    drafter_max_steps: int = 8
+    trainers: int = 1
+    rollouts: int = 1
+    sync_backend: str = "gloo"
+    bucket_mb: int = 64
+    checkpoint_dir: str | None = None
+    checkpoint_interval: int = 0
+    seed: int = 0
+    eval_size: int = 32
+    micro_batch: int = 16
+    chunk_prompts: int = 2
+    torch_threads: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> RunSettings:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def step_batch(self) -> int:
+        """Sequences per step (prompts × group size)."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def staleness(self) -> int:
+        return self.max_staleness if self.mode == "async" else 0
+
+    @classmethod
+    def from_job(cls, job: Any) -> RunSettings:
+        """Map an `RLJob` (specrl.runtime.api) onto the runtime's settings."""
+        return settings_from_job(job)
+
+
+def settings_from_job(job: Any) -> RunSettings:
+    """Map a validated `specrl.runtime.api.RLJob` onto the runtime's settings."""
+    spec = job.spec
+    alg, ds, sp, res = spec.algorithm, spec.dataset, spec.speculative, spec.resources
+    if ds.type == "jsonl":
+        dataset, size, difficulty = str(ds.path), 0, None
+    else:
+        d = ds.synthetic.difficulty
+        dataset, size = "builtin:arithmetic", ds.synthetic.size
+        difficulty = {"easy": d.easy, "medium": d.medium, "hard": d.hard}
+    reward = spec.reward.function if spec.reward.type == "function" else "builtin:exact_match"
+    backend = spec.weight_sync.backend or ("nccl" if res.gpus_per_pod > 0 and _has_cuda() else "gloo")
+    return RunSettings(
+        job=job.metadata.name,
+        namespace=job.metadata.namespace or "default",
+        model=spec.model.name,
+        dtype=spec.model.dtype,
+        draft_model=sp.draft_model,
+        method=sp.method,
+        num_speculative_tokens=sp.num_speculative_tokens,
+        adaptive=sp.adaptive.toggle,
+        dataset=dataset,
+        dataset_size=size,
+        difficulty=difficulty,
+        reward=str(reward),
+        group_size=alg.group_size,
+        prompts_per_step=alg.prompts_per_step,
+        steps=alg.steps,
+        lr=alg.learning_rate,
+        clip_eps=alg.clip_ratio,
+        kl_coef=alg.kl_coef,
+        max_new_tokens=alg.max_new_tokens,
+        temperature=alg.temperature,
+        top_p=alg.top_p,
+        mode=spec.mode,
+        max_staleness=spec.max_staleness,
+        long_tail_fraction=spec.elastic.long_tail_fraction,
+        drafter_training=sp.drafter_training.enabled and sp.method != "none",
+        drafter_lr=sp.drafter_training.learning_rate,
+        trainers=res.trainer.replicas,
+        rollouts=res.rollout.replicas,
+        sync_backend=backend,
+        bucket_mb=spec.weight_sync.bucket_mib,
+        checkpoint_dir=spec.checkpoint.path,
+        checkpoint_interval=spec.checkpoint.interval if spec.checkpoint.path else 0,
+        seed=alg.seed,
+    )
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False

@@ -1,0 +1,242 @@
+"""Rollout worker: turns assigned prompts into scored samples with the (speculative) rollout engine.
+
+It owns a policy copy, the drafter, the engine and the reward. New weights arrive through the sync group on a
+second actor thread while a chunk may be decoding; they are staged and swapped in atomically before the next
+chunk starts, so no sequence ever mixes two policy versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from specrl.runtime.rl.settings import RunSettings
+from specrl.runtime.rl.trainer import Sample
+
+log = logging.getLogger(__name__)
+
+
+def _stat(stats: Any, name: str) -> float:
+    if stats is None:
+        return 0.0
+    if isinstance(stats, dict):
+        return float(stats.get(name, 0) or 0)
+    return float(getattr(stats, name, 0) or 0)
+
+
+def stats_snapshot(stats: Any) -> dict[str, float]:
+    keys = ("drafts", "draft_tokens", "accepted_tokens", "target_forwards", "generated_tokens", "sd_steps",
+            "ar_steps", "decode_seconds", "prefill_seconds")
+    return {k: _stat(stats, k) for k in keys}
+
+
+def stats_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+
+
+def load_problem_split(settings: RunSettings) -> tuple[list, list]:
+    """(training problems, held-out evaluation problems) for the job's dataset."""
+    from specrl.runtime.rl.task import BUILTIN_TASK, SyntheticTask, load_jsonl
+
+    if settings.dataset in (BUILTIN_TASK, "builtin", "arithmetic"):
+        # Evaluation problems come from a different seed so they never appear in training.
+        train = list(SyntheticTask(settings.dataset_size, settings.difficulty, settings.seed))
+        evals = list(SyntheticTask(settings.eval_size, settings.difficulty, settings.seed + 10_000))
+        return train, evals
+    problems = load_jsonl(settings.dataset).problems
+    n_eval = min(settings.eval_size, max(1, len(problems) // 10))
+    return problems[: len(problems) - n_eval] or problems, problems[len(problems) - n_eval:]
+
+
+class RolloutWorker:
+    def __init__(self, settings: RunSettings, name: str, metrics: Any = None) -> None:
+        from specrl.runtime.engine import RolloutEngine, SpeculativeConfig
+        from specrl.runtime.models.bootstrap import load_policy
+        from specrl.runtime.rl.reward import SafeReward
+        from specrl.runtime.rl.tokenizer import CharTokenizer
+
+        torch.set_num_threads(max(1, settings.torch_threads))
+        self.settings, self.name, self.metrics = settings, name, metrics
+        self.tokenizer = CharTokenizer()
+        self.problems, self.eval_problems = load_problem_split(settings)
+        self.reward = SafeReward.from_spec(settings.reward, on_error=self._reward_error)
+        self.model = load_policy(settings.model)[0]
+        self.model.eval()
+        self.draft = None
+        if settings.method == "draft_model" and settings.draft_model:
+            self.draft = load_policy(settings.draft_model)[0]
+            self.draft.eval()
+        spec = SpeculativeConfig(method=settings.method, num_speculative_tokens=settings.num_speculative_tokens)
+        self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft)
+        # Plain decoding on the same weights: the side-by-side baseline (and the SD-off path).
+        self.ar_engine = RolloutEngine(self.model, speculative=SpeculativeConfig(method="none"))
+        self.weight_version = 0
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._sync_group = None
+        self._receiver = None
+        self.active_sequences = 0
+
+    def _reward_error(self, _exc: BaseException | None) -> None:
+        if self.metrics is not None:
+            self.metrics.reward_errors.inc()
+
+    def ping(self) -> str:
+        return self.name
+
+    # -- weights --------------------------------------------------------------------------------------
+
+    def open_sync_group(self, host: str, port: int, rank: int, world_size: int, epoch: int) -> bool:
+        from specrl.runtime.sync import SyncGroup, WeightReceiver
+
+        self.close_sync_group()
+        self._sync_group = SyncGroup.create(host, port, rank=rank, world_size=world_size,
+                                            backend=self.settings.sync_backend, epoch=epoch)
+        self._receiver = WeightReceiver(self._sync_group)
+        return True
+
+    def close_sync_group(self) -> None:
+        if self._sync_group is not None:
+            self._sync_group.close()
+        self._sync_group = self._receiver = None
+
+    def receive_weights(self) -> dict[str, float]:
+        """Receive one packed transfer (blocking) and stage it; it is swapped in before the next chunk."""
+        from specrl.runtime.sync import split_states
+
+        assert self._receiver is not None, "open_sync_group first"
+        version, flat, stats = self._receiver.receive()
+        parts = split_states(flat)
+        # Copy out of the receiver's reusable buffer: the staged state may wait while another sync lands.
+        staged = {f"{part}/{k}": v.clone() for part, sd in parts.items() for k, v in sd.items()}
+        with self._lock:
+            self._pending = (version, staged)
+        return {"seconds": float(stats.seconds), "bytes": int(stats.bytes), "version": version}
+
+    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> bool:
+        """Stage weights handed over directly (used when no sync group is open, e.g. at start-up)."""
+        with self._lock:
+            self._pending = (version, state)
+        self._apply_pending()
+        return True
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        version, state = pending
+        policy = {k.removeprefix("policy/"): v for k, v in state.items() if k.startswith("policy/")}
+        drafter = {k.removeprefix("drafter/"): v for k, v in state.items() if k.startswith("drafter/")}
+        if not policy and not drafter:
+            policy = state
+        if policy:
+            self.engine.load_policy_state(policy)
+            if self.ar_engine.model is not self.engine.model:
+                self.ar_engine.load_policy_state(policy)
+        if drafter and self.draft is not None:
+            with torch.no_grad():
+                self.draft.load_state_dict(drafter)
+        self.engine.refresh_drafter()
+        self.weight_version = version
+        if self.metrics is not None:
+            self.metrics.weight_version.set(version)
+
+    # -- rollouts -------------------------------------------------------------------------------------
+
+    def _params(self, seed: int, greedy: bool = False):
+        from specrl.runtime.engine import SamplingParams
+
+        s = self.settings
+        return SamplingParams(temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p,
+                              max_new_tokens=s.max_new_tokens, stop_token_ids=[self.tokenizer.eos_id], seed=seed)
+
+    def generate(self, items: list[tuple[str, int]], step: int, use_sd: bool = True) -> dict[str, Any]:
+        """Roll out `group_size` samples for each (prompt_id, dataset index); returns samples and stats."""
+        from specrl.runtime.rl.task import prompt_token_ids
+
+        self._apply_pending()
+        s = self.settings
+        version = self.weight_version
+        problems = [self.problems[idx] for _, idx in items]
+        prompts = [prompt_token_ids(p, self.tokenizer) for p in problems for _ in range(s.group_size)]
+        # One seed per sample, from (job seed, step, prompt id, sample index): the tokens do not depend on
+        # which worker ran the prompt or what else was in its batch (up to float rounding of batched maths).
+        params = [self._params(sample_seed(s.seed, step, pid, k)) for pid, _ in items for k in range(s.group_size)]
+        engine = self.engine if use_sd else self.ar_engine
+        before = stats_snapshot(engine.stats)
+        self.active_sequences = len(prompts)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        self.active_sequences = 0
+        delta = stats_delta(stats_snapshot(engine.stats), before)
+        samples: list[dict] = []
+        tokens = 0
+        for k, out in enumerate(outs):
+            pid = items[k // s.group_size][0]
+            problem = problems[k // s.group_size]
+            ids = [int(t) for t in out.token_ids]
+            text = self.tokenizer.decode(ids)
+            reward = self.reward(problem.prompt, text, problem.answer)
+            from specrl.runtime.rl.task import is_correct
+
+            samples.append(asdict(Sample(prompt_id=pid, prompt_ids=prompts[k], response_ids=ids,
+                                         logprobs=[float(x) for x in out.logprobs], reward=reward,
+                                         weight_version=version, finish_reason=str(out.finish_reason),
+                                         correct=is_correct(text, problem.answer))))
+            tokens += len(ids)
+            if self.metrics is not None:
+                self.metrics.response_length.observe(len(ids))
+        if self.metrics is not None:
+            m = self.metrics
+            m.generated_tokens.inc(tokens)
+            m.sequences_completed.inc(len(outs))
+            m.spec_num_drafts.inc(delta.get("drafts", 0))
+            m.spec_num_draft_tokens.inc(delta.get("draft_tokens", 0))
+            m.spec_num_accepted_tokens.inc(delta.get("accepted_tokens", 0))
+        return {"worker": self.name, "samples": samples, "seconds": seconds, "tokens": tokens,
+                "stats": delta, "weight_version": version, "reward_errors": self.reward.errors}
+
+    def evaluate(self, indices: list[int] | None = None, use_sd: bool = True) -> dict[str, Any]:
+        """Greedy decode of the held-out problems: accuracy, the token trajectories, time."""
+        from specrl.runtime.rl.task import is_correct, prompt_token_ids
+
+        self._apply_pending()
+        problems = self.eval_problems if indices is None else [self.eval_problems[i] for i in indices]
+        prompts = [prompt_token_ids(p, self.tokenizer) for p in problems]
+        engine = self.engine if use_sd else self.ar_engine
+        before = stats_snapshot(engine.stats)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, self._params(self.settings.seed, greedy=True))
+        seconds = time.perf_counter() - t0
+        delta = stats_delta(stats_snapshot(engine.stats), before)
+        tokens = [[int(t) for t in o.token_ids] for o in outs]
+        correct = [is_correct(self.tokenizer.decode(t), p.answer) for t, p in zip(tokens, problems)]
+        return {"accuracy": sum(correct) / max(1, len(correct)), "tokens": tokens, "seconds": seconds,
+                "generated": sum(len(t) for t in tokens), "stats": delta, "weight_version": self.weight_version}
+
+    def compare_rollout(self, items: list[tuple[str, int]], step: int) -> dict[str, Any]:
+        """The same chunk with SD on and with plain decoding, back to back, on the same weights and seeds."""
+        sd = self.generate(items, step, use_sd=True)
+        ar = self.generate(items, step, use_sd=False)
+        return {"sd_seconds": sd["seconds"], "ar_seconds": ar["seconds"], "sd_tokens": sd["tokens"],
+                "ar_tokens": ar["tokens"], "sd_stats": sd["stats"]}
+
+    def engine_stats(self) -> dict[str, float]:
+        return stats_snapshot(self.engine.stats)
+
+    def reward_errors(self) -> int:
+        return self.reward.errors
+
+
+def sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:
+    """Sampling seed of sample `k` of a prompt in a step: a function of the job, never of timing or placement."""
+    import zlib
+
+    return zlib.crc32(f"{seed}:{step}:{prompt_id}:{k}".encode()) & 0x7FFFFFFF

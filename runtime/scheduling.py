@@ -1,0 +1,251 @@
+"""The coordinator's decisions as pure functions and plain state: prompt ledger, workers, long tail, staleness.
+
+Nothing here touches Ray, torch or the network, so every rule (nothing lost, nothing trained twice,
+drain at a safe point, when the long tail starts, which weights a rollout may use) is unit-testable.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class WorkerState(str, Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    RETIRED = "retired"
+
+
+class Phase(str, Enum):
+    STARTING = "Starting"
+    ROLLOUT = "Rollout"
+    LONG_TAIL = "LongTail"
+    TRAINING = "Training"
+    SYNCING = "Syncing"
+    COMPLETE = "Complete"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt of one RL step; `prompt_id` is unique over the whole job (`s{step}-p{index}`)."""
+
+    prompt_id: str
+    step: int
+    index: int  # position in the dataset
+
+
+def prompt_id(step: int, index: int) -> str:
+    return f"s{step}-p{index}"
+
+
+class LedgerError(RuntimeError):
+    """A rule of the ledger would be broken (a prompt trained twice, completed by a worker not holding it)."""
+
+
+@dataclass
+class PromptLedger:
+    """Every prompt of the job from enqueue to training, with who holds it.
+
+    Invariant, checked by `check()`: every issued prompt is in exactly one of queued, in flight (held by
+    one worker), completed-not-trained, or trained. A drained or dead worker's prompts go back to the
+    front of the queue, so a step never loses a prompt and never trains one twice.
+    """
+
+    queue: deque[PromptItem] = field(default_factory=deque)
+    in_flight: dict[str, dict[str, PromptItem]] = field(default_factory=dict)  # worker -> id -> item
+    completed: dict[str, PromptItem] = field(default_factory=dict)
+    trained: set[str] = field(default_factory=set)
+    issued: int = 0
+    requeued: int = 0
+
+    def enqueue(self, items: Iterable[PromptItem]) -> None:
+        for item in items:
+            self.queue.append(item)
+            self.issued += 1
+
+    def take(self, worker: str, n: int, *, step: int | None = None) -> list[PromptItem]:
+        """Assign up to `n` queued prompts (of `step` only, when given) to `worker`."""
+        out: list[PromptItem] = []
+        while self.queue and len(out) < n:
+            if step is not None and self.queue[0].step != step:
+                break
+            item = self.queue.popleft()
+            out.append(item)
+            self.in_flight.setdefault(worker, {})[item.prompt_id] = item
+        return out
+
+    def complete(self, worker: str, prompt_ids: Iterable[str]) -> list[PromptItem]:
+        held = self.in_flight.get(worker, {})
+        done = []
+        for pid in prompt_ids:
+            item = held.pop(pid, None)
+            if item is None:
+                raise LedgerError(f"worker {worker!r} returned prompt {pid!r} it does not hold")
+            self.completed[pid] = item
+            done.append(item)
+        if not held:
+            self.in_flight.pop(worker, None)
+        return done
+
+    def requeue(self, worker: str) -> list[PromptItem]:
+        """Put everything `worker` holds back at the front of the queue (in its original order)."""
+        held = self.in_flight.pop(worker, {})
+        items = sorted(held.values(), key=lambda it: (it.step, it.index))
+        self.queue.extendleft(reversed(items))
+        self.requeued += len(items)
+        return items
+
+    def mark_trained(self, prompt_ids: Iterable[str]) -> None:
+        ids = list(prompt_ids)
+        twice = [pid for pid in ids if pid in self.trained]
+        if twice:
+            raise LedgerError(f"prompts trained twice: {twice[:5]}")
+        missing = [pid for pid in ids if pid not in self.completed]
+        if missing:
+            raise LedgerError(f"prompts trained before completion: {missing[:5]}")
+        for pid in ids:
+            self.trained.add(pid)
+            del self.completed[pid]
+
+    def queued_for(self, step: int) -> int:
+        return sum(1 for it in self.queue if it.step == step)
+
+    def in_flight_count(self) -> int:
+        return sum(len(v) for v in self.in_flight.values())
+
+    def completed_for(self, step: int) -> list[PromptItem]:
+        return sorted((it for it in self.completed.values() if it.step == step), key=lambda it: it.index)
+
+    def lost(self) -> int:
+        """Issued prompts that are nowhere (0 unless a bug lost them)."""
+        return self.issued - len(self.queue) - self.in_flight_count() - len(self.completed) - len(self.trained)
+
+    def check(self) -> None:
+        ids = [it.prompt_id for it in self.queue]
+        ids += [pid for held in self.in_flight.values() for pid in held]
+        ids += list(self.completed) + list(self.trained)
+        if len(ids) != len(set(ids)):
+            raise LedgerError("a prompt is in two places at once")
+        if len(ids) != self.issued:
+            raise LedgerError(f"{self.issued - len(ids)} prompt(s) lost")
+
+    # -- checkpointing ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Checkpoint form; only valid at a step boundary (nothing in flight or completed-but-untrained)."""
+        if self.in_flight_count() or self.completed:
+            raise LedgerError("ledger snapshot requested mid-step")
+        return {"queue": [[it.prompt_id, it.step, it.index] for it in self.queue],
+                "trained": sorted(self.trained), "issued": self.issued, "requeued": self.requeued}
+
+    @classmethod
+    def restore(cls, data: dict) -> PromptLedger:
+        led = cls()
+        led.queue = deque(PromptItem(pid, step, idx) for pid, step, idx in data["queue"])
+        led.trained = set(data["trained"])
+        led.issued = int(data["issued"])
+        led.requeued = int(data.get("requeued", 0))
+        return led
+
+
+# -- decisions ----------------------------------------------------------------------------------------
+
+
+def step_prompt_indices(step: int, prompts_per_step: int, dataset_size: int, seed: int) -> list[int]:
+    """Dataset indices of a step: a deterministic pass over a seeded permutation (epochs wrap around).
+
+    Depends only on its arguments, so a resumed job draws exactly the prompts the uninterrupted one would.
+    """
+    import random
+
+    if dataset_size <= 0:
+        raise ValueError("dataset is empty")
+    out: list[int] = []
+    start = step * prompts_per_step
+    for pos in range(start, start + prompts_per_step):
+        epoch, offset = divmod(pos, dataset_size)
+        perm = list(range(dataset_size))
+        random.Random(f"specrl-epoch:{seed}:{epoch}").shuffle(perm)
+        out.append(perm[offset])
+    return out
+
+
+def is_long_tail(queue_depth: int, active_sequences: int, step_batch: int, fraction: float) -> bool:
+    """The long tail: nothing left to hand out and only a few sequences still decoding.
+
+    Few active sequences means small decode batches — memory-bound, where speculation pays and where
+    rollout capacity sits idle (so it may train the drafter instead).
+    """
+    return queue_depth == 0 and 0 < active_sequences <= fraction * step_batch
+
+
+def may_rollout(step: int, weight_version: int, max_staleness: int) -> bool:
+    """Whether rollouts for `step` may run on weights `weight_version` (the policy after that many updates).
+
+    Sync mode is max_staleness 0: step n runs on version n exactly. Async mode lets rollouts run ahead on
+    weights at most `max_staleness` versions old.
+    """
+    return 0 <= step - weight_version <= max_staleness
+
+
+def chunk_size(prompts_left: int, idle_workers: int, max_chunk: int) -> int:
+    """Prompts per assignment: at most `max_chunk`, and spread so idle workers all get work."""
+    if idle_workers <= 0 or prompts_left <= 0:
+        return 0
+    return max(1, min(max_chunk, -(-prompts_left // idle_workers)))
+
+
+@dataclass
+class WorkerRecord:
+    name: str
+    role: str  # rollout | trainer
+    state: WorkerState = WorkerState.ACTIVE
+    weight_version: int = -1
+
+
+@dataclass
+class WorkerTable:
+    """Membership. Changes take effect at step boundaries (joins) or safe points (drains)."""
+
+    workers: dict[str, WorkerRecord] = field(default_factory=dict)
+
+    def add(self, name: str, role: str) -> WorkerRecord:
+        if name in self.workers and self.workers[name].state != WorkerState.RETIRED:
+            raise ValueError(f"worker {name!r} already exists")
+        rec = WorkerRecord(name, role)
+        self.workers[name] = rec
+        return rec
+
+    def drain(self, name: str) -> WorkerRecord:
+        """Mark for retirement; unknown names raise KeyError (the HTTP layer answers 404)."""
+        rec = self.workers[name]
+        if rec.state == WorkerState.ACTIVE:
+            rec.state = WorkerState.DRAINING
+        return rec
+
+    def retire(self, name: str) -> None:
+        self.workers[name].state = WorkerState.RETIRED
+
+    def active(self, role: str) -> list[str]:
+        return [w.name for w in self.workers.values() if w.role == role and w.state == WorkerState.ACTIVE]
+
+    def draining(self, role: str | None = None) -> list[str]:
+        return [w.name for w in self.workers.values()
+                if w.state == WorkerState.DRAINING and (role is None or w.role == role)]
+
+    def as_status(self) -> list[dict]:
+        return [{"name": w.name, "role": w.role, "state": w.state.value} for w in self.workers.values()]
+
+
+def split_even(items: Sequence, parts: int) -> list[list]:
+    """Contiguous, near-equal split (first parts one longer), deterministic: data-parallel shards."""
+    n = len(items)
+    out, start = [], 0
+    for i in range(parts):
+        size = n // parts + (1 if i < n % parts else 0)
+        out.append(list(items[start:start + size]))
+        start += size
+    return out
