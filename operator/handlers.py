@@ -58,7 +58,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     """Register every handler of the operator into ``registry``."""
     target = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> Any:
         # One authentication path for kopf and our own client: service account in a pod, else kubeconfig.
         info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
@@ -71,21 +71,22 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         _runtime = Runtime(config=config, kube=kube, coord=coord, emit=_emit)
         return info
 
-    @kopf.on.cleanup(registry=registry)
+    @kopf.on.cleanup(id="close", registry=registry)
     async def cleanup(**_: Any) -> None:
         if _runtime is not None:
             await _runtime.kube.close()
             await _runtime.coord.close()
 
     @kopf.index("pods", labels={children.LABEL_JOB: kopf.PRESENT,
-                                "app.kubernetes.io/managed-by": children.MANAGED_BY}, registry=registry)
+                                "app.kubernetes.io/managed-by": children.MANAGED_BY},
+                id="pods_by_job", registry=registry)
     def pods_by_job(body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any) -> Any:
         info = PodInfo.from_body(body)
         return {(namespace, labels[children.LABEL_JOB]): info} if info is not None else None
 
-    @kopf.on.create(**target, backoff=5)
-    @kopf.on.resume(**target, backoff=5)
-    @kopf.on.update(**target, field="spec", backoff=5)
+    @kopf.on.create(**target, id="converge", backoff=5)
+    @kopf.on.resume(**target, id="converge", backoff=5)
+    @kopf.on.update(**target, id="converge", field="spec", backoff=5)
     async def converge(body: kopf.Body, reason: str, namespace: str, name: str, patch: kopf.Patch,
                        pods_by_job: kopf.Index, **_: Any) -> None:
         trigger = str(getattr(reason, "value", reason))
@@ -96,13 +97,13 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         return status.get("phase") not in ("Complete", "Failed")
 
     @kopf.timer(**target, interval=config.poll_interval, initial_delay=config.poll_interval, when=running,
-                backoff=config.poll_interval)
+                id="tick", backoff=config.poll_interval)
     async def tick(body: kopf.Body, namespace: str, name: str, patch: kopf.Patch, pods_by_job: kopf.Index,
                    **_: Any) -> None:
         status = await reconcile(runtime(), body, _observed(pods_by_job, namespace, name), "timer")
         _apply(patch, status)
 
-    @kopf.on.delete(**target, optional=True)
+    @kopf.on.delete(**target, id="cleanup", optional=True)
     async def delete(body: kopf.Body, namespace: str, name: str, pods_by_job: kopf.Index, **_: Any) -> None:
         rt = runtime()
         owner = children.Owner.from_body(body)

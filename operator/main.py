@@ -64,8 +64,10 @@ def main(args: argparse.Namespace) -> int:
     )
     if not args.verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    if "{name}" not in args.coordinator_url_template:
-        print("specrl operator: --coordinator-url-template must contain {name} (and usually {namespace})",
+    try:
+        args.coordinator_url_template.format(name="job", namespace="ns")
+    except (KeyError, IndexError, ValueError) as exc:
+        print(f"specrl operator: --coordinator-url-template: only {{name}} and {{namespace}} may be filled in ({exc})",
               file=sys.stderr)
         return 2
     config = OperatorConfig(coordinator_url_template=args.coordinator_url_template, poll_interval=args.poll_interval)

@@ -109,7 +109,7 @@ class Runtime:
         self.coord.forget(*key)
 
 
-IMMUTABLE = (("spec.model", lambda job: job.spec.model.model_dump(by_alias=True, mode="json")),
+IMMUTABLE = (("spec.model", lambda job: job.spec.model.model_dump(by_alias=True, mode="json", exclude_none=True)),
              ("spec.resources.image", lambda job: job.spec.resources.image))
 
 
@@ -189,6 +189,9 @@ class StatusWriter:
 
     def final(self, new: dict[str, Any]) -> dict[str, Any]:
         """The patch still to apply (by kopf, merged with its own bookkeeping); posts transition events."""
+        gen = new.get("observedGeneration")
+        if gen is not None:  # kstatus: every condition describes the generation just reconciled
+            new["conditions"] = [{**c, "observedGeneration": gen} for c in new.get("conditions") or ()]
         patch = status_patch(self.current, new)
         if patch:
             self._events(new)
