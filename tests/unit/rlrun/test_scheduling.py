@@ -1,0 +1,174 @@
+"""Coordinator decisions as pure functions: ledger (nothing lost or trained twice), drain, long tail, staleness."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specrl.runtime.coordinator import members_from_nodes, pod_resource
+from specrl.runtime.scheduling import (
+    LedgerError,
+    PromptItem,
+    PromptLedger,
+    WorkerState,
+    WorkerTable,
+    chunk_size,
+    is_long_tail,
+    may_rollout,
+    prompt_id,
+    split_even,
+    step_prompt_indices,
+)
+
+
+def items(step, n):
+    return [PromptItem(prompt_id(step, i), step, i) for i in range(n)]
+
+
+def test_ledger_happy_path():
+    led = PromptLedger()
+    led.enqueue(items(0, 5))
+    a = led.take("w0", 2)
+    b = led.take("w1", 2)
+    assert [x.index for x in a] == [0, 1] and [x.index for x in b] == [2, 3]
+    led.complete("w0", [x.prompt_id for x in a])
+    led.check()
+    assert led.in_flight_count() == 2 and len(led.queue) == 1
+    led.complete("w1", [x.prompt_id for x in b])
+    c = led.take("w0", 5)
+    led.complete("w0", [x.prompt_id for x in c])
+    led.mark_trained([prompt_id(0, i) for i in range(5)])
+    led.check()
+    assert led.lost() == 0 and len(led.trained) == 5
+
+
+def test_requeue_puts_prompts_back_in_front_in_order():
+    led = PromptLedger()
+    led.enqueue(items(0, 6))
+    led.take("w0", 3)
+    led.take("w1", 2)
+    back = led.requeue("w0")
+    assert [x.index for x in back] == [0, 1, 2]
+    assert [x.index for x in led.queue] == [0, 1, 2, 5]
+    assert led.requeued == 3
+    led.check()
+
+
+def test_trained_twice_and_foreign_completion_rejected():
+    led = PromptLedger()
+    led.enqueue(items(0, 2))
+    got = led.take("w0", 2)
+    with pytest.raises(LedgerError, match="does not hold"):
+        led.complete("w1", [got[0].prompt_id])
+    led.complete("w0", [x.prompt_id for x in got])
+    led.mark_trained([got[0].prompt_id])
+    with pytest.raises(LedgerError, match="twice"):
+        led.mark_trained([got[0].prompt_id])
+    with pytest.raises(LedgerError, match="before completion"):
+        led.mark_trained(["s9-p9"])
+
+
+def test_take_stays_within_one_step():
+    led = PromptLedger()
+    led.enqueue(items(0, 2) + items(1, 2))
+    assert [x.step for x in led.take("w", 5, step=0)] == [0, 0]
+    assert [x.step for x in led.take("w", 5, step=0)] == []
+
+
+def test_snapshot_restore_round_trip_and_mid_step_refused():
+    led = PromptLedger()
+    led.enqueue(items(0, 2))
+    got = led.take("w", 2)
+    with pytest.raises(LedgerError):
+        led.snapshot()
+    led.complete("w", [x.prompt_id for x in got])
+    led.mark_trained([x.prompt_id for x in got])
+    led.enqueue(items(1, 1))
+    again = PromptLedger.restore(led.snapshot())
+    assert again.trained == led.trained and list(again.queue) == list(led.queue) and again.issued == 3
+    again.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["take", "complete", "die"]), st.integers(0, 2), st.integers(1, 3)),
+                max_size=40))
+def test_ledger_never_loses_or_duplicates(ops):
+    """Random interleavings of assignment, completion and worker death: every prompt is trained exactly once."""
+    led = PromptLedger()
+    led.enqueue(items(0, 10))
+    for op, w, n in ops:
+        name = f"w{w}"
+        if op == "take":
+            led.take(name, n)
+        elif op == "complete":
+            held = list(led.in_flight.get(name, {}))[:n]
+            led.complete(name, held)
+        else:
+            led.requeue(name)
+        led.check()
+    for name in list(led.in_flight):
+        led.requeue(name)
+    while led.queue:
+        got = led.take("final", 3)
+        led.complete("final", [x.prompt_id for x in got])
+    led.mark_trained(list(led.completed))
+    led.check()
+    assert led.trained == {prompt_id(0, i) for i in range(10)}
+
+
+def test_long_tail_detector():
+    assert is_long_tail(0, 4, 32, 0.25)
+    assert is_long_tail(0, 8, 32, 0.25)
+    assert not is_long_tail(0, 9, 32, 0.25)
+    assert not is_long_tail(1, 1, 32, 0.25)  # queue not empty
+    assert not is_long_tail(0, 0, 32, 0.25)  # nothing running: not a tail, the step is done
+
+
+def test_staleness_rule():
+    assert may_rollout(3, 3, 0)
+    assert not may_rollout(4, 3, 0)
+    assert may_rollout(4, 3, 1) and not may_rollout(5, 3, 1)
+    assert not may_rollout(2, 3, 4)  # weights from the future are a bug
+
+
+def test_chunk_size_spreads_work():
+    assert chunk_size(8, 2, 4) == 4
+    assert chunk_size(8, 4, 4) == 2
+    assert chunk_size(3, 2, 1) == 1
+    assert chunk_size(0, 2, 4) == 0 and chunk_size(5, 0, 4) == 0
+
+
+def test_step_prompts_deterministic_and_cover_epochs():
+    a = step_prompt_indices(3, 4, 10, seed=1)
+    assert a == step_prompt_indices(3, 4, 10, seed=1)
+    first_epoch = [i for s in range(0, 5) for i in step_prompt_indices(s, 2, 10, seed=1)]
+    assert sorted(first_epoch) == list(range(10))
+    with pytest.raises(ValueError):
+        step_prompt_indices(0, 1, 0, 0)
+
+
+def test_worker_table_drain_and_unknown():
+    t = WorkerTable()
+    t.add("j-rollout-0", "rollout")
+    t.add("j-rollout-1", "rollout")
+    assert t.drain("j-rollout-1").state == WorkerState.DRAINING
+    assert t.active("rollout") == ["j-rollout-0"]
+    with pytest.raises(KeyError):
+        t.drain("nope")
+    t.retire("j-rollout-1")
+    assert t.drain("j-rollout-1").state == WorkerState.RETIRED  # draining a retired worker is a no-op
+    assert {w["state"] for w in t.as_status()} == {"active", "retired"}
+
+
+def test_split_even():
+    assert split_even([1, 2, 3, 4, 5], 2) == [[1, 2, 3], [4, 5]]
+    assert split_even([1], 3) == [[1], [], []]
+
+
+def test_members_from_ray_nodes():
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 4, pod_resource("job-rollout-1"): 1, "specrl_rollout": 1}},
+        {"Alive": True, "Resources": {pod_resource("job-trainer-0"): 1}},
+        {"Alive": False, "Resources": {pod_resource("job-rollout-2"): 1}},
+        {"Alive": True, "Resources": {pod_resource("other-rollout-0"): 1}},
+    ]
+    assert members_from_nodes(nodes, "job") == [("job-rollout-1", "rollout"), ("job-trainer-0", "trainer")]
