@@ -1,0 +1,485 @@
+"""Build, cache and load the project's own Llama-architecture policies (nothing comes from a model hub).
+
+`load_policy("builtin:tiny")` returns a trained policy, building it on first use: a `LlamaForCausalLM`
+from a `LlamaConfig`, a short supervised warm-up on the synthetic task's worked solutions (or, for a
+draft model, distillation from its teacher), saved as a Hugging Face folder (config.json,
+model.safetensors, generation_config.json, tokenizer files) that vLLM could load unchanged.
+
+Cache: `cache_dir()/models/<name>-<digest of recipe>`. A build writes a temporary sibling folder and
+renames it into place (readers never see half a model); an exclusive `flock` on `<folder>.lock`
+makes a second process wait for the first instead of training the same model twice.
+
+    python -m specrl.runtime.models.bootstrap builtin:tiny builtin:tiny-draft [--force] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specrl.runtime.models.evaluate import evaluate_accuracy
+from specrl.runtime.models.recipes import BUILTIN_RECIPES, Recipe, resolve_recipe
+from specrl.runtime.paths import cache_dir
+from specrl.runtime.rl.task import SyntheticTask, prompt_token_ids
+from specrl.runtime.rl.tokenizer import CharTokenizer
+
+BUILD_INFO = "build_info.json"
+EVAL_SEED = 424242  # evaluation problems never overlap the training seed range
+
+# progress(stage, done, total, message) — the CLI renders it with rich; tests pass None.
+ProgressFn = Callable[[str, int, int, str], None]
+
+
+class ModelNotFoundError(ValueError):
+    """A model reference that is neither a builtin recipe nor a Hugging Face folder."""
+
+
+# -- model construction ---------------------------------------------------------------------------------
+
+
+def llama_config(recipe: Recipe, tokenizer: CharTokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads or recipe.num_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
+
+
+def new_model(recipe: Recipe, tokenizer: CharTokenizer, seed: int | None = None):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(recipe.seed if seed is None else seed)
+    model = LlamaForCausalLM(llama_config(recipe, tokenizer))
+    model.generation_config.pad_token_id = tokenizer.pad_id
+    model.generation_config.eos_token_id = tokenizer.eos_id
+    model.generation_config.bos_token_id = tokenizer.bos_id
+    return model
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- data -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Example:
+    ids: list[int]          # BOS + prompt + response (+ EOS)
+    prompt_len: int         # tokens before the response
+    teacher_logprobs: torch.Tensor | None = None  # [response_len, vocab] for distillation
+
+
+def sft_examples(recipe: Recipe, tokenizer: CharTokenizer) -> list[Example]:
+    task = SyntheticTask(recipe.train_size, recipe.difficulty_mix, seed=recipe.data_seed)
+    out = []
+    for p in task:
+        prompt = prompt_token_ids(p, tokenizer)
+        out.append(Example(prompt + tokenizer.encode(p.solution or "", add_eos=True), len(prompt)))
+    return out
+
+
+def length_bucketed_batches(examples: Sequence[Example], batch_tokens: int, seed: int) -> Iterator[list[Example]]:
+    """Endless batches of similar-length examples, at most `batch_tokens` padded tokens each.
+
+    Sorting within shuffled pools keeps padding small although lengths are long-tailed.
+    """
+    rng = random.Random(seed)
+    order = list(range(len(examples)))
+    while True:
+        rng.shuffle(order)
+        batches: list[list[Example]] = []
+        pool_size = 2048
+        for start in range(0, len(order), pool_size):
+            pool = sorted((examples[i] for i in order[start:start + pool_size]), key=lambda e: len(e.ids))
+            batch: list[Example] = []
+            width = 0
+            for ex in pool:
+                w = max(width, len(ex.ids))
+                if batch and w * (len(batch) + 1) > batch_tokens:
+                    batches.append(batch)
+                    batch, w = [], len(ex.ids)
+                batch.append(ex)
+                width = w
+            if batch:
+                batches.append(batch)
+        rng.shuffle(batches)
+        yield from batches
+
+
+def collate(batch: Sequence[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask, and a mask of the positions whose next token is a response token."""
+    width = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    target_mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    for i, e in enumerate(batch):
+        n = len(e.ids)
+        ids[i, :n] = torch.tensor(e.ids)
+        attn[i, :n] = 1
+        target_mask[i, e.prompt_len - 1 : n - 1] = True  # position t predicts token t+1
+    return ids, attn, target_mask
+
+
+def fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX or AVX512-BF16): then autocast trains ~2.5x faster."""
+    if torch.cuda.is_available():
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+# -- training -------------------------------------------------------------------------------------------
+
+
+def _lr_at(step: int, recipe: Recipe) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+
+
+def train(model, recipe: Recipe, examples: Sequence[Example], tokenizer: CharTokenizer,
+          progress: ProgressFn | None = None, stage: str = "train") -> list[float]:
+    """SFT (cross-entropy on response tokens) or, when examples carry teacher log-probs, forward-KL distillation."""
+    distill = examples[0].teacher_logprobs is not None
+    use_bf16 = recipe.bf16_autocast and fast_bf16()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
+    batches = length_bucketed_batches(examples, recipe.batch_tokens, recipe.seed)
+    model.train()
+    losses: list[float] = []
+    for step in range(recipe.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, recipe)
+        batch = next(batches)
+        ids, attn, target_mask = collate(batch, tokenizer.pad_id)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+            logits = model(input_ids=ids, attention_mask=attn).logits
+        if distill:
+            loss = _kl_loss(logits, batch, target_mask)
+        else:
+            targets = ids[:, 1:]
+            sel = target_mask[:, :-1]
+            loss = F.cross_entropy(logits[:, :-1][sel].float(), targets[sel])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(stage, step + 1, recipe.steps, f"loss {losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def _kl_loss(logits: torch.Tensor, batch: Sequence[Example], target_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over response positions of KL(teacher || student) on the full next-token distribution."""
+    student = F.log_softmax(logits[target_mask].float(), dim=-1)
+    teacher = torch.cat([e.teacher_logprobs for e in batch], dim=0)  # same row order as the mask
+    return (teacher.exp() * (teacher - student)).sum(-1).mean()
+
+
+@torch.no_grad()
+def teacher_samples(teacher, recipe: Recipe, tokenizer: CharTokenizer,
+                    progress: ProgressFn | None = None, batch_size: int = 64) -> list[Example]:
+    """Responses sampled from the teacher at temperature 1 with its log-probs at every response position."""
+    task = SyntheticTask(recipe.teacher_samples, recipe.difficulty_mix, seed=recipe.data_seed)
+    prompts = [prompt_token_ids(p, tokenizer) for p in task]
+    # similar prompt lengths together: less left padding
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    gen = torch.Generator().manual_seed(recipe.seed + 17)
+    out: list[Example] = []
+    teacher.eval()
+    for start in range(0, len(order), batch_size):
+        chunk = [prompts[i] for i in order[start:start + batch_size]]
+        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+        ids, attn = left_pad(chunk, tokenizer.pad_id)
+        res = teacher.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=recipe.teacher_max_new_tokens, output_logits=True, return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id,
+        )
+        new_tokens = res.sequences[:, ids.shape[1]:]
+        logprobs = F.log_softmax(torch.stack(res.logits, dim=1).float(), dim=-1)
+        for row, prompt in enumerate(chunk):
+            toks = new_tokens[row].tolist()
+            n = toks.index(tokenizer.eos_id) + 1 if tokenizer.eos_id in toks else len(toks)
+            out.append(Example(prompt + toks[:n], len(prompt), logprobs[row, :n].clone()))
+        if progress is not None:
+            progress("teacher samples", min(start + batch_size, len(order)), len(order), "")
+    return out
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(list(s))
+        attn[i, width - len(s):] = 1
+    return ids, attn
+
+
+# -- cache ----------------------------------------------------------------------------------------------
+
+
+def _teacher_recipe(recipe: Recipe) -> Recipe | None:
+    if recipe.teacher is None:
+        return None
+    return recipe.teacher if isinstance(recipe.teacher, Recipe) else resolve_recipe(recipe.teacher)
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    teacher = _teacher_recipe(recipe)
+    return recipe.digest(recipe_digest(teacher) if teacher is not None else None)
+
+
+def model_dir(recipe: Recipe, root: Path | None = None) -> Path:
+    base = root if root is not None else cache_dir("models")
+    return base / f"{recipe.name}-{recipe_digest(recipe)}"
+
+
+def is_complete(path: Path) -> bool:
+    return all((path / f).is_file() for f in ("config.json", "model.safetensors", "specrl_tokenizer.json", BUILD_INFO))
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def ensure_built(recipe: Recipe, *, root: Path | None = None, force: bool = False, threads: int | None = None,
+                 progress: ProgressFn | None = None, evaluate: bool = True) -> Path:
+    """The folder of `recipe`'s trained model, building it (and its teacher) first when it is not cached."""
+    final = model_dir(recipe, root)
+    if is_complete(final) and not force:
+        return final
+    teacher = _teacher_recipe(recipe)
+    teacher_dir = ensure_built(teacher, root=root, threads=threads, progress=progress, evaluate=evaluate) \
+        if teacher is not None else None
+
+    def waiting() -> None:
+        print(f"waiting for another process that is building {final.name} ...", file=sys.stderr)
+
+    with _exclusive(final.parent / f"{final.name}.lock", waiting), _threads(threads):
+        if is_complete(final) and not force:  # built by the process we waited for
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        try:
+            _build_into(tmp, recipe, teacher_dir, progress, evaluate)
+            if final.exists():  # --force, or debris of an incomplete old build
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build_into(out: Path, recipe: Recipe, teacher_dir: Path | None, progress: ProgressFn | None,
+                evaluate: bool) -> None:
+    tokenizer = CharTokenizer()
+    t0 = time.perf_counter()
+    info: dict = {"name": recipe.name, "digest": recipe_digest(recipe), "recipe": recipe.identity(),
+                  "description": recipe.description, "threads": torch.get_num_threads(),
+                  "torch": torch.__version__}
+    if teacher_dir is not None:
+        teacher, _ = load_model_dir(teacher_dir)
+        t_sample = time.perf_counter()
+        examples = teacher_samples(teacher, recipe, tokenizer, progress)
+        info["teacher"] = teacher_dir.name
+        info["teacher_sample_seconds"] = round(time.perf_counter() - t_sample, 2)
+        info["teacher_sample_tokens"] = sum(len(e.ids) - e.prompt_len for e in examples)
+        del teacher
+    else:
+        examples = sft_examples(recipe, tokenizer)
+    model = new_model(recipe, tokenizer)
+    t_train = time.perf_counter()
+    losses = train(model, recipe, examples, tokenizer, progress, stage=f"train {recipe.name}")
+    info["precision"] = "bf16 autocast" if recipe.bf16_autocast and fast_bf16() else "fp32"
+    info["train_seconds"] = round(time.perf_counter() - t_train, 2)
+    info["build_seconds"] = round(time.perf_counter() - t0, 2)
+    info["parameters"] = count_parameters(model)
+    info["trained_steps"] = recipe.steps
+    info["loss_first"] = round(sum(losses[:10]) / min(10, len(losses)), 4)
+    info["loss_last"] = round(sum(losses[-10:]) / min(10, len(losses)), 4)
+    info["losses"] = [round(x, 4) for x in losses]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if evaluate and recipe.eval_size > 0:
+        t_eval = time.perf_counter()
+        problems = list(SyntheticTask(recipe.eval_size, recipe.difficulty_mix, seed=EVAL_SEED))
+        info["eval"] = {
+            "problems": len(problems),
+            "greedy": evaluate_accuracy(model, tokenizer, problems, temperature=0.0, progress=progress),
+            "temperature_1": evaluate_accuracy(model, tokenizer, problems, temperature=1.0, seed=1,
+                                               progress=progress),
+        }
+        info["eval_seconds"] = round(time.perf_counter() - t_eval, 2)
+    # written last: its presence marks the folder complete
+    (out / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
+
+
+# -- loading --------------------------------------------------------------------------------------------
+
+
+def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaForCausalLM
+
+    path = Path(path)
+    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    return model, CharTokenizer.from_pretrained(path)
+
+
+def resolve_model_path(name_or_path: str | Path, *, build: bool = True, threads: int | None = None,
+                       progress: ProgressFn | None = None) -> Path:
+    """`builtin:<name>` -> its cache folder (built when missing and `build`); a folder path -> itself."""
+    ref = str(name_or_path)
+    if ref.startswith("builtin:"):
+        recipe = resolve_recipe(ref)
+        path = model_dir(recipe)
+        if not is_complete(path):
+            if not build:
+                raise ModelNotFoundError(f"model: {ref} is not built yet (python -m "
+                                         f"specrl.runtime.models.bootstrap {ref})")
+            path = ensure_built(recipe, threads=threads, progress=progress)
+        return path
+    path = Path(ref).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"model: {ref!r} is neither a builtin ({', '.join('builtin:' + k for k in BUILTIN_RECIPES)}) "
+            "nor a Hugging Face model folder with a config.json")
+    return path
+
+
+def load_policy(name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, threads: int | None = None,
+                progress: ProgressFn | None = None):
+    """(model, tokenizer) for `builtin:tiny|tiny-draft|bench|bench-draft` (built on first use) or a local folder."""
+    return load_model_dir(resolve_model_path(name_or_path, threads=threads, progress=progress), dtype)
+
+
+def build_info(name_or_path: str | Path) -> dict:
+    """The build record (parameters, trained steps, losses, evaluation) of a built model folder."""
+    path = resolve_model_path(name_or_path, build=False)
+    f = path / BUILD_INFO
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def ensure_models(names: Sequence[str], *, threads: int | None = None, force: bool = False,
+                  progress: ProgressFn | None = None) -> dict[str, Path]:
+    return {n: ensure_built(resolve_recipe(n), threads=threads, force=force, progress=progress) for n in names}
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+
+
+def _rich_progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    bar = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+    tasks: dict[str, int] = {}
+
+    def update(stage: str, done: int, total: int, note: str) -> None:
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total, note=note)
+        bar.update(tasks[stage], completed=done, total=total, note=note)
+
+    return bar, update
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specrl.runtime.models.bootstrap",
+                                     description="Build the project's builtin policies into the cache.")
+    parser.add_argument("models", nargs="*", default=["builtin:tiny", "builtin:tiny-draft"],
+                        help="builtin:tiny, builtin:tiny-draft, builtin:bench, builtin:bench-draft "
+                             "(default: the tiny pair)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when cached")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
+    parser.add_argument("--list", action="store_true", help="list builtins and their cache folders")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, r in BUILTIN_RECIPES.items():
+            path = model_dir(r)
+            state = "built" if is_complete(path) else "not built"
+            print(f"builtin:{name:<12} ~{r.approx_parameters() / 1e6:5.1f}M  {state:<9}  {path}")
+        return 0
+    try:
+        recipes = [resolve_recipe(n) for n in args.models]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    bar, update = _rich_progress()
+    with bar:
+        paths = {r.name: ensure_built(r, force=args.force, threads=args.threads, progress=update) for r in recipes}
+    for name, path in paths.items():
+        info = json.loads((path / BUILD_INFO).read_text())
+        ev = info.get("eval", {})
+        acc = (f"  accuracy greedy {ev['greedy']['accuracy']:.2f}, T=1 {ev['temperature_1']['accuracy']:.2f}"
+               if ev else "")
+        print(f"builtin:{name}: {info['parameters'] / 1e6:.2f}M params, built in {info['build_seconds']:.0f}s"
+              f"{acc}\n  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Micro versions of the bootstrap recipes: build, cache, lock, load — seconds, not minutes."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+from specrl.runtime.models import bootstrap
+from specrl.runtime.models.bootstrap import (
+    ModelNotFoundError,
+    ensure_built,
+    is_complete,
+    load_policy,
+    model_dir,
+    resolve_model_path,
+)
+from specrl.runtime.models.recipes import Recipe, resolve_recipe
+from specrl.runtime.rl.tokenizer import CharTokenizer
+
+MICRO = Recipe(name="micro", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+               difficulty=(("easy", 1.0),), train_size=300, steps=40, batch_tokens=512, lr=1e-2,
+               warmup_steps=5, eval_size=8)
+MICRO_DRAFT = Recipe(name="micro-draft", hidden_size=16, intermediate_size=32, num_layers=1, num_heads=1,
+                     difficulty=(("easy", 1.0),), steps=25, batch_tokens=512, lr=1e-2, warmup_steps=5,
+                     teacher=MICRO, teacher_samples=48, teacher_max_new_tokens=24, eval_size=0)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def micro(root):
+    torch.set_num_threads(1)
+    return ensure_built(MICRO, root=root)
+
+
+def test_micro_build_is_a_complete_hf_folder(micro):
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert micro.name.startswith("micro-") and is_complete(micro)
+    names = {p.name for p in micro.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "build_info.json"} <= names
+    config = AutoConfig.from_pretrained(micro)
+    assert config.model_type == "llama" and config.architectures == ["LlamaForCausalLM"]
+    assert config.vocab_size == CharTokenizer().vocab_size and config.eos_token_id == CharTokenizer.eos_id
+    assert AutoTokenizer.from_pretrained(micro).encode("Q:1+2=?", add_special_tokens=False) == \
+        CharTokenizer().encode("Q:1+2=?")
+    info = json.loads((micro / "build_info.json").read_text())
+    assert info["trained_steps"] == 40 and len(info["losses"]) == 40
+    assert info["loss_last"] < 0.7 * info["loss_first"]  # the warm-up learns
+    assert 0.0 <= info["eval"]["greedy"]["accuracy"] <= 1.0 and info["eval"]["problems"] == 8
+
+
+def test_load_policy_from_folder_and_generate(micro):
+    model, tok = load_policy(micro)
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    ids = torch.tensor([tok.encode("Q:1+2=?", add_bos=True)])
+    out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_id)
+    assert out.shape == (1, ids.shape[1] + 5) or tok.eos_id in out[0].tolist()
+    half, _ = load_policy(micro, dtype=torch.bfloat16)
+    assert next(half.parameters()).dtype == torch.bfloat16
+
+
+def test_cache_is_reused_and_keyed_by_recipe(micro, root, monkeypatch):
+    calls = []
+    monkeypatch.setattr(bootstrap, "_build_into", lambda *a, **k: calls.append(a))
+    assert ensure_built(MICRO, root=root) == micro and calls == []
+    assert model_dir(MICRO.replace(steps=41), root) != micro
+    assert model_dir(MICRO.replace(eval_size=3), root) == micro  # evaluation is not part of the identity
+
+
+def test_distilled_draft_shares_the_tokenizer_and_learns(micro, root):
+    path = ensure_built(MICRO_DRAFT, root=root)
+    info = json.loads((path / "build_info.json").read_text())
+    assert info["teacher"] == micro.name and info["teacher_sample_tokens"] > 0
+    assert info["loss_last"] < info["loss_first"]
+    draft, tok = load_policy(path)
+    assert draft.config.vocab_size == tok.vocab_size
+    assert sum(p.numel() for p in draft.parameters()) < sum(p.numel() for p in load_policy(micro)[0].parameters())
+    # a new teacher means a new draft
+    assert model_dir(MICRO_DRAFT.replace(teacher=MICRO.replace(steps=39)), root) != path
+
+
+def test_concurrent_builders_train_once(tmp_path, monkeypatch):
+    recipe = MICRO.replace(name="locked", steps=3, eval_size=0)
+    real = bootstrap._build_into
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(bootstrap, "_build_into", counting)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(ensure_built(recipe, root=tmp_path)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(calls) == 1 and len(set(results)) == 1 and is_complete(results[0])
+
+
+def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
+    recipe = MICRO.replace(name="broken", steps=2, eval_size=0)
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(bootstrap, "train", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        ensure_built(recipe, root=tmp_path)
+    assert not model_dir(recipe, tmp_path).exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_bad_model_references(tmp_path):
+    with pytest.raises(ValueError, match="unknown builtin 'builtin:huge'"):
+        resolve_recipe("builtin:huge")
+    with pytest.raises(ModelNotFoundError, match="neither a builtin"):
+        resolve_model_path(tmp_path / "nothing-here")
+    with pytest.raises(ValueError, match="not divisible"):
+        Recipe(name="x", hidden_size=30, intermediate_size=8, num_layers=1, num_heads=4)
