@@ -1,0 +1,169 @@
+"""What the API server does to a custom resource before it stores it, done offline from a CRD.
+
+`CRDSchema(crd).admit(obj)` runs the same steps as kube-apiserver for one served version: prune unknown
+fields (or reject them with `fieldValidation=Strict`), drop nulls of non-nullable fields, apply schema
+defaults, validate the openAPIV3Schema (via jsonschema) and evaluate every `x-kubernetes-validations` CEL
+rule (via cel-python). It raises `AdmissionError` with `(field path, message)` causes, as a 422 would carry.
+
+Used by the KMock emulator subclass (so `kubectl apply` of a bad RLJob is refused like on a cluster) and by
+the CRD tests. Only what the RLJob CRD uses is supported (no transition rules, no `oldSelf`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import celpy
+import jsonschema
+
+from specrl.runtime.crd import to_json_schema
+
+
+class AdmissionError(Exception):
+    """The object is invalid; `causes` holds (field path, message) pairs."""
+
+    def __init__(self, causes: list[tuple[str, str]]):
+        self.causes = causes
+        super().__init__("; ".join(f"{f}: {m}" for f, m in causes))
+
+
+def _join(path: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+@dataclass
+class CRDSchema:
+    """One served version of a CRD: its schema, printer columns and subresources."""
+
+    crd: dict[str, Any]
+    version: str | None = None
+    schema: dict[str, Any] = field(init=False)
+    printer_columns: list[dict[str, Any]] = field(init=False)
+    subresources: dict[str, Any] = field(init=False)
+    _validator: Any = field(init=False, repr=False)
+    _cel: dict[str, Any] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        versions = self.crd["spec"]["versions"]
+        chosen = next((v for v in versions if v["name"] == self.version), None) if self.version else \
+            next((v for v in versions if v.get("storage")), versions[0])
+        if chosen is None:
+            raise KeyError(f"version {self.version} is not served by {self.crd['metadata']['name']}")
+        self.version = chosen["name"]
+        self.schema = chosen.get("schema", {}).get("openAPIV3Schema", {"type": "object",
+                                                                      "x-kubernetes-preserve-unknown-fields": True})
+        self.printer_columns = list(chosen.get("additionalPrinterColumns", []))
+        self.subresources = dict(chosen.get("subresources") or {})
+        self._validator = jsonschema.Draft4Validator(to_json_schema(self.schema))
+        self._env = celpy.Environment()
+
+    # ---------------------------------------------------------------------------------------------------
+    def admit(self, obj: dict[str, Any], *, field_validation: str = "Strict") -> tuple[dict[str, Any], list[str]]:
+        """(the object as it would be stored, warnings); raises AdmissionError."""
+        obj = copy.deepcopy(obj)
+        unknown: list[str] = []
+        self._prune(self.schema, obj, "", unknown, top=True)
+        warnings = [f'unknown field "{p}"' for p in unknown]
+        if unknown and field_validation.lower() == "strict":
+            raise AdmissionError([(p, "field not declared in schema") for p in unknown])
+        if field_validation.lower() == "ignore":
+            warnings = []
+        self._default(self.schema, obj, top=True)
+        causes: list[tuple[str, str]] = []
+        for err in sorted(self._validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
+            path = ""
+            for key in err.absolute_path:
+                path = _join(path, key)
+            causes.append((path or "<root>", err.message))
+        if not causes:
+            causes += self._check_cel(self.schema, obj, "")
+        if causes:
+            raise AdmissionError(causes)
+        return obj, warnings
+
+    # ---------------------------------------------------------------------------------------------------
+    def _prune(self, schema: dict[str, Any], value: Any, path: str, unknown: list[str], top: bool = False) -> None:
+        if isinstance(value, dict):
+            props = schema.get("properties")
+            extra = schema.get("additionalProperties")
+            for key in list(value):
+                if top and key in ("apiVersion", "kind", "metadata"):
+                    continue
+                sub = props.get(key) if props is not None else (extra if isinstance(extra, dict) else None)
+                if value[key] is None and not (sub or {}).get("nullable"):
+                    del value[key]  # nulls of non-nullable fields are dropped, not rejected
+                    continue
+                if sub is None:
+                    if props is not None and not schema.get("x-kubernetes-preserve-unknown-fields"):
+                        unknown.append(_join(path, key))
+                        del value[key]
+                    continue
+                self._prune(sub, value[key], _join(path, key), unknown)
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, item in enumerate(value):
+                self._prune(schema["items"], item, _join(path, i), unknown)
+
+    def _default(self, schema: dict[str, Any], value: Any, top: bool = False) -> None:
+        if isinstance(value, dict):
+            for key, sub in (schema.get("properties") or {}).items():
+                if top and key == "metadata":
+                    continue
+                if key not in value and "default" in sub:
+                    value[key] = copy.deepcopy(sub["default"])
+                if key in value:
+                    self._default(sub, value[key])
+            extra = schema.get("additionalProperties")
+            if isinstance(extra, dict) and "properties" not in schema:
+                for item in value.values():
+                    self._default(extra, item)
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for item in value:
+                self._default(schema["items"], item)
+
+    # ---------------------------------------------------------------------------------------------------
+    def _program(self, rule: str) -> Any:
+        if rule not in self._cel:
+            self._cel[rule] = self._env.program(self._env.compile(rule))
+        return self._cel[rule]
+
+    def _check_cel(self, schema: dict[str, Any], value: Any, path: str) -> list[tuple[str, str]]:
+        causes: list[tuple[str, str]] = []
+        for rule in schema.get("x-kubernetes-validations", []):
+            try:
+                ok = self._program(rule["rule"]).evaluate({"self": celpy.json_to_cel(_typed(schema, value))})
+            except Exception as exc:  # noqa: BLE001 - a rule that cannot run is reported like the server does
+                causes.append((path or "<root>", f"rule {rule['rule']!r} failed to evaluate: {exc}"))
+                continue
+            if not bool(ok) or isinstance(ok, Exception):
+                where = path + rule.get("fieldPath", "") if rule.get("fieldPath") else (path or "<root>")
+                causes.append((where.lstrip("."), rule.get("message") or f"failed rule: {rule['rule']}"))
+        if isinstance(value, dict):
+            for key, sub in (schema.get("properties") or {}).items():
+                if key in value and not (path == "" and key == "metadata"):
+                    causes += self._check_cel(sub, value[key], _join(path, key))
+            extra = schema.get("additionalProperties")
+            if isinstance(extra, dict) and "properties" not in schema:
+                for key, item in value.items():
+                    causes += self._check_cel(extra, item, _join(path, key))
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, item in enumerate(value):
+                causes += self._check_cel(schema["items"], item, _join(path, i))
+        return causes
+
+
+def _typed(schema: dict[str, Any], value: Any) -> Any:
+    """JSON value -> value typed as CEL sees it on the server (`type: number` is always a double)."""
+    if schema.get("type") == "number" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
+        return {k: _typed(props.get(k, extra), v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        return [_typed(items, v) for v in value]
+    return value
