@@ -1,0 +1,439 @@
+"""The native rollout engine: batched decode over a static KV cache, continuous batching, lossless speculation.
+
+    engine = RolloutEngine(model, speculative=SpeculativeConfig(method="draft_model", num_speculative_tokens=4),
+                           draft_model=draft)
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=64, seed=0))
+
+Invariants (per active sequence, slots 0..B-1): the target cache holds len(tokens) - 1 positions and the
+last token is "pending" (fed by the next step). An AR step feeds the pending token and samples one; a
+speculative step feeds the pending token plus gamma drafts in ONE target forward, verifies them with
+`rejection_sample` and rolls the cache back to the accepted length (a length update, nothing is copied).
+
+Randomness: each request owns a CPU `torch.Generator` (seeded from `SamplingParams.seed`, else from the
+engine's seed) and draws a fixed number of float64 uniforms per step (AR: 1; speculative with gamma: 2*gamma+1)
+whatever is accepted, so an AR request's tokens do not depend on what else is in the batch.
+
+Logprobs: `RequestOutput.logprobs[i]` is the TARGET's log-probability of token i. With
+`SamplingParams.logprobs_mode="processed"` (default) it is taken from the processed distribution the token was
+sampled from (temperature/top-k/top-p applied; greedy -> 0.0); with "raw" from log_softmax of the raw logits.
+AR and speculative steps compute it the same way from the target's logits at that position.
+
+Control hook: see `specrl.runtime.engine.control` (`decide(active_batch_size) -> Decision`, `observe(decision,
+record)`); default: `FixedController` from the SpeculativeConfig. Proposers for every name in
+`SpeculativeConfig.candidates()` are built up front so a controller can switch between them per step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from specrl.runtime.engine.control import Controller, Decision, FixedController, StepRecord
+from specrl.runtime.engine.model_runner import TransformerRunner
+from specrl.runtime.engine.proposers.base import DraftContext, Proposer
+from specrl.runtime.engine.rejection_sampler import rejection_sample
+from specrl.runtime.engine.sampling import (
+    BatchSamplingTensors,
+    SamplingParams,
+    process_logits,
+    sample_from_probs,
+)
+
+METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle")
+Method = Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "none"
+    num_speculative_tokens: int = 4
+    # Extra proposers to build so a controller can pick among them per step (the main method is always built).
+    extra_methods: tuple[str, ...] = ()
+    # Largest gamma a controller may ask for (sizes the cache headroom); default max(8, num_speculative_tokens).
+    max_speculative_tokens: int | None = None
+    ngram_max: int = 4
+    ngram_min: int = 1
+    layer_skip_layers: int | None = None  # default: half of the target's layers
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_methods", tuple(self.extra_methods))
+        for m in (self.method, *self.extra_methods):
+            if m not in METHODS:
+                raise ValueError(f"method: must be one of {', '.join(METHODS)}, got {m!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens: must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if self.max_speculative_tokens is not None and self.max_speculative_tokens < self.num_speculative_tokens:
+            raise ValueError("max_speculative_tokens: must be >= num_speculative_tokens")
+        if not (1 <= self.ngram_min <= self.ngram_max):
+            raise ValueError(f"ngram_min: must satisfy 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+        if self.layer_skip_layers is not None and self.layer_skip_layers < 1:
+            raise ValueError(f"layer_skip_layers: must be >= 1, got {self.layer_skip_layers}")
+
+    def candidates(self) -> tuple[str, ...]:
+        out = [m for m in (self.method, *self.extra_methods) if m != "none"]
+        return tuple(dict.fromkeys(out))
+
+    @property
+    def gamma_cap(self) -> int:
+        return self.max_speculative_tokens or max(8, self.num_speculative_tokens)
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class EngineStats:
+    drafts: int = 0  # (request, step) pairs that got at least one draft token (vLLM num_drafts)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    target_forwards: int = 0  # prefill + AR + verify forwards of the target
+    prefill_forwards: int = 0
+    generated_tokens: int = 0
+    sd_steps: int = 0
+    ar_steps: int = 0
+    requests_completed: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=100_000))
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens emitted per draft (1 + accepted/drafts), as vLLM reports it."""
+        return None if self.drafts == 0 else 1.0 + self.accepted_tokens / self.drafts
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return None if self.draft_tokens == 0 else self.accepted_tokens / self.draft_tokens
+
+    def reset(self) -> None:
+        fresh = EngineStats()
+        for k in fresh.__dataclass_fields__:
+            setattr(self, k, getattr(fresh, k))
+
+
+@dataclass
+class _Seq:
+    request_id: int
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class RolloutEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        speculative: SpeculativeConfig | None = None,
+        draft_model: nn.Module | None = None,
+        eagle_head: nn.Module | None = None,
+        max_batch_size: int = 16,
+        max_model_len: int | None = None,
+        controller: Controller | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size: must be an integer >= 1, got {max_batch_size!r}")
+        self.model = model.eval()
+        self.speculative = speculative or SpeculativeConfig()
+        cfg = model.config
+        limit = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.max_model_len = int(max_model_len or limit)
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
+        self.max_batch_size = max_batch_size
+        self.max_gamma = self.speculative.gamma_cap
+        # Speculative steps write up to gamma positions past a sequence's end before rollback.
+        self.cache_len = self.max_model_len + self.max_gamma + 1
+        self.runner = TransformerRunner(model, max_positions=self.cache_len)
+        self.device = self.runner.device
+        self.vocab_size = self.runner.vocab_size
+        self.cache = self.runner.new_cache(max_batch_size, self.cache_len)
+        self.stats = EngineStats()
+        self._rng = random.Random(seed)
+        self.controller: Controller = controller or FixedController(self.speculative.method,
+                                                                      self.speculative.num_speculative_tokens)
+        self.proposers: dict[str, Proposer] = {}
+        for name in self.speculative.candidates():
+            self.proposers[name] = self._build_proposer(name, draft_model, eagle_head)
+        for p in self.proposers.values():
+            p.attach(self)
+        self._step = 0
+
+    # ---- proposers -----------------------------------------------------------------------------------------
+    def _build_proposer(self, name: str, draft_model: nn.Module | None, eagle_head: nn.Module | None) -> Proposer:
+        from specrl.runtime.engine import proposers as P
+
+        if name == "draft_model":
+            if draft_model is None:
+                raise ValueError("draft_model: method 'draft_model' needs a draft model (draft_model=...)")
+            return P.DraftModelProposer(draft_model.eval())
+        if name == "ngram":
+            return P.NgramProposer(self.speculative.ngram_min, self.speculative.ngram_max)
+        if name == "layer_skip":
+            return P.LayerSkipProposer(self.speculative.layer_skip_layers)
+        if name == "quantized_self":
+            return P.QuantizedSelfProposer(self.model)
+        if name == "eagle":
+            return P.EagleProposer(eagle_head)
+        raise ValueError(f"method: unknown proposer {name!r}")
+
+    def add_proposer(self, name: str, proposer: Proposer) -> None:
+        """Register a custom proposer a controller can select by name."""
+        proposer.attach(self)
+        self.proposers[name] = proposer
+
+    def refresh_drafter(self) -> None:
+        """Make every drafter follow the current policy weights (re-quantize, re-read shared weights)."""
+        for p in self.proposers.values():
+            p.refresh(self.model)
+
+    @torch.no_grad()
+    def load_policy_state(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load new policy weights (strict) and refresh the engine's fused weights and every drafter."""
+        try:
+            self.model.load_state_dict(state_dict, strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"state_dict: does not match the policy model: {exc}") from None
+        self.runner.refresh()
+        self.refresh_drafter()
+
+    # ---- validation ----------------------------------------------------------------------------------------
+    def _validate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[SamplingParams]:
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts: must be a list of token-id lists")
+        if isinstance(params, SamplingParams):
+            plist = [params] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
+            if not all(isinstance(p, SamplingParams) for p in plist):
+                raise ValueError("params: must be SamplingParams or a list of them")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+                raise ValueError(f"prompts[{i}]: must be a non-empty list of token ids")
+            if len(prompt) >= self.max_model_len:
+                raise ValueError(f"prompts[{i}]: length {len(prompt)} leaves no room to generate within "
+                                 f"max_model_len={self.max_model_len}")
+            for t in prompt:
+                if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < self.vocab_size):
+                    raise ValueError(f"prompts[{i}]: token id {t!r} outside the vocabulary [0, {self.vocab_size})")
+        return plist
+
+    # ---- generation ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        plist = self._validate(prompts, params)
+        if self.runner.refresh_if_stale():
+            self.refresh_drafter()
+        queue = deque(range(len(prompts)))
+        active: list[_Seq] = []
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        self._sampling: BatchSamplingTensors | None = None
+        while queue or active:
+            if queue and len(active) < self.max_batch_size:
+                joiners = []
+                while queue and len(active) + len(joiners) < self.max_batch_size:
+                    i = queue.popleft()
+                    p = plist[i]
+                    gen = torch.Generator().manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
+                    joiners.append(_Seq(i, [int(t) for t in prompts[i]], len(prompts[i]), p, gen))
+                self._prefill(active, joiners)
+            else:
+                decision = self.controller.decide(len(active))
+                if decision.method is None:
+                    record = self._ar_step(active, decision)
+                else:
+                    record = self._sd_step(active, decision)
+                self.stats.steps.append(record)
+                self.controller.observe(decision, record)
+            self._retire(active, results)
+        return [r for r in results if r is not None]
+
+    def _uniforms(self, active: list[_Seq], n: int) -> torch.Tensor:
+        u = torch.stack([torch.rand(n, generator=s.generator, dtype=torch.float64) for s in active])
+        return u.to(self.device, non_blocking=True) if self.device.type != "cpu" else u
+
+    def _batch_sampling(self, active: list[_Seq]) -> BatchSamplingTensors:
+        if self._sampling is None:
+            self._sampling = BatchSamplingTensors.build([s.params for s in active], self.device)
+        return self._sampling
+
+    def _logprobs(self, probs: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor,
+                  active: list[_Seq]) -> torch.Tensor:
+        """probs/logits [N, V], tokens [N] -> target logprob per row (processed or raw per request)."""
+        idx = tokens.clamp(min=0).unsqueeze(1)
+        lp = probs.gather(1, idx).squeeze(1).log()
+        if any(s.params.logprobs_mode == "raw" for s in active):
+            raw = torch.log_softmax(logits.float(), dim=-1).gather(1, idx).squeeze(1)
+            per = len(tokens) // len(active)
+            is_raw = torch.tensor([s.params.logprobs_mode == "raw" for s in active], device=lp.device)
+            lp = torch.where(is_raw.repeat_interleave(per), raw, lp)
+        return lp
+
+    def _prefill(self, active: list[_Seq], joiners: list[_Seq]) -> None:
+        t0 = time.perf_counter()
+        slot0 = len(active)
+        lens = [len(s.tokens) for s in joiners]
+        width = max(lens)
+        inp = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in joiners], dtype=torch.int64,
+                           device=self.device)
+        last = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=self.device)
+        for j in range(len(joiners)):
+            for p in self.proposers.values():
+                p.reset_slot(slot0 + j)
+        want_hidden = [p for p in self.proposers.values() if p.needs_hidden]
+        if want_hidden:
+            # Feature-level drafters need the target's hidden state at every prompt position.
+            logits, hidden = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp)
+            for p in want_hidden:
+                p.observe_target(hidden, [0] * len(joiners), lens, slot0=slot0)
+            logits = logits[torch.arange(len(joiners), device=self.device), last]
+        else:
+            logits, _ = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last)
+        st = BatchSamplingTensors.build([s.params for s in joiners], self.device)
+        probs = process_logits(logits, st)
+        tok = sample_from_probs(probs, self._uniforms(joiners, 1)[:, 0])
+        lp = self._logprobs(probs, logits, tok, joiners)
+        for s in joiners:
+            active.append(s)
+        self._sampling = None
+        self.stats.target_forwards += 1
+        self.stats.prefill_forwards += 1
+        for s, t, l in zip(joiners, tok.tolist(), lp.tolist()):
+            self._append(s, [t], [l])
+        self.stats.prefill_seconds += time.perf_counter() - t0
+
+    def _append(self, s: _Seq, toks: list[int], lps: list[float]) -> int:
+        """Append emitted tokens, truncating at a stop token, max_new_tokens or max_model_len."""
+        budget = min(s.params.max_new_tokens - s.generated, self.max_model_len - len(s.tokens))
+        n = 0
+        stops = s.params.stop_token_ids
+        for t, l in zip(toks, lps):
+            if n >= budget:
+                break
+            s.tokens.append(t)
+            s.logprobs.append(l)
+            n += 1
+            if t in stops:
+                s.finish_reason = "stop"
+                break
+        if s.finish_reason is None and (s.generated >= s.params.max_new_tokens or len(s.tokens) >= self.max_model_len):
+            s.finish_reason = "length"
+        self.stats.generated_tokens += n
+        return n
+
+    def _ar_step(self, active: list[_Seq], decision: Decision) -> StepRecord:
+        t0 = time.perf_counter()
+        b = len(active)
+        starts = [len(s.tokens) - 1 for s in active]
+        inp = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.int64, device=self.device)
+        logits, hidden = self.runner.forward(self.cache, 0, starts, inp)
+        logits = logits[:, 0]
+        probs = process_logits(logits, self._batch_sampling(active))
+        tok = sample_from_probs(probs, self._uniforms(active, 1)[:, 0])
+        lp = self._logprobs(probs, logits, tok, active)
+        for p in self.proposers.values():
+            if p.needs_hidden:
+                p.observe_target(hidden, starts, [1] * b)
+        emitted = 0
+        for s, t, l in zip(active, tok.tolist(), lp.tolist()):
+            emitted += self._append(s, [t], [l])
+        self._truncate_proposers(active)
+        self.stats.target_forwards += 1
+        self.stats.ar_steps += 1
+        dt = time.perf_counter() - t0
+        self.stats.decode_seconds += dt
+        self._step += 1
+        return StepRecord(self._step, None, 0, b, 0, 0, emitted, dt, 0.0, dt)
+
+    def _sd_step(self, active: list[_Seq], decision: Decision) -> StepRecord:
+        t0 = time.perf_counter()
+        proposer = self.proposers.get(decision.method)  # type: ignore[arg-type]
+        if proposer is None:
+            raise ValueError(f"controller: method {decision.method!r} is not one of the engine's proposers "
+                             f"{sorted(self.proposers)}")
+        gamma = max(1, min(int(decision.gamma), self.max_gamma))
+        b = len(active)
+        st = self._batch_sampling(active)
+        u = self._uniforms(active, 2 * gamma + 1)
+        ctx = DraftContext(tokens=[s.tokens for s in active], sampling=st, uniforms=u[:, :gamma])
+        prop = proposer.propose(ctx, gamma)
+        t1 = time.perf_counter()
+        starts = [len(s.tokens) - 1 for s in active]
+        pending = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.int64, device=self.device)
+        inp = torch.cat([pending, prop.tokens.clamp(min=0)], dim=1)
+        logits, hidden = self.runner.forward(self.cache, 0, starts, inp)
+        v = logits.shape[-1]
+        flat_logits = logits.reshape(b * (gamma + 1), v)
+        probs = process_logits(flat_logits, st.expand(gamma + 1)).view(b, gamma + 1, v)
+        res = rejection_sample(probs, prop.tokens, prop.probs, u[:, gamma : 2 * gamma], u[:, 2 * gamma], prop.lens)
+        lp = self._logprobs(probs.view(-1, v), flat_logits, res.tokens.view(-1), active).view(b, gamma + 1)
+        toks = res.tokens.tolist()
+        nacc = res.num_accepted.tolist()
+        lps = lp.tolist()
+        lens = [gamma] * b if prop.lens is None else prop.lens.tolist()
+        for p in self.proposers.values():
+            if p.needs_hidden:
+                p.observe_target(hidden, starts, [a + 1 for a in nacc])
+        emitted = 0
+        for i, s in enumerate(active):
+            k = nacc[i] + 1
+            emitted += self._append(s, toks[i][:k], lps[i][:k])
+        self._truncate_proposers(active)
+        drafted = sum(lens)
+        accepted = sum(nacc)
+        self.stats.drafts += sum(1 for n in lens if n > 0)
+        self.stats.draft_tokens += drafted
+        self.stats.accepted_tokens += accepted
+        self.stats.target_forwards += 1
+        self.stats.sd_steps += 1
+        t2 = time.perf_counter()
+        self.stats.decode_seconds += t2 - t0
+        self._step += 1
+        return StepRecord(self._step, decision.method, gamma, b, drafted, accepted, emitted, t2 - t0, t1 - t0, t2 - t1)
+
+    def _truncate_proposers(self, active: list[_Seq]) -> None:
+        if self.proposers:
+            lens = [len(s.tokens) - 1 for s in active]
+            for p in self.proposers.values():
+                p.truncate(lens)
+
+    def _retire(self, active: list[_Seq], results: list[RequestOutput | None]) -> None:
+        done = [i for i, s in enumerate(active) if s.finish_reason is not None]
+        if not done:
+            return
+        for slot in reversed(done):
+            s = active[slot]
+            results[s.request_id] = RequestOutput(s.request_id, s.tokens[: s.prompt_len], s.tokens[s.prompt_len :],
+                                                  s.logprobs, s.finish_reason or "length")
+            self.stats.requests_completed += 1
+            last = len(active) - 1
+            if slot != last:
+                moved = active[last]
+                self.cache.move_slot(last, slot, len(moved.tokens) - 1)
+                for p in self.proposers.values():
+                    p.move_slot(last, slot)
+                active[slot] = moved
+            active.pop()
+        self._sampling = None

@@ -1,0 +1,267 @@
+"""Our own decode loop over a Hugging Face Llama/Qwen2 model's weights, on the static KV cache.
+
+HF's generic forward (DynamicCache, 4-D padding masks, output dataclasses) costs more Python time per step than
+the math itself for small models at small batch, which is exactly the long-tail regime speculative decoding is
+for. This runner reads the HF model's weights (embedding, per-layer norms, q/k/v/o, gate/up/down, final norm,
+lm_head, rotary inverse frequencies) and runs the same math with: fused qkv and gate|up matmuls, one
+`F.rms_norm` per norm, rotary tables precomputed once, cache writes in place, and one SDPA call per layer
+(GQA handled by `enable_gqa`). Same code on CPU and CUDA.
+
+Weights are *copied* into fused tensors (q|k|v and gate|up). `refresh_if_stale()` compares every source
+parameter's identity and in-place version counter, so in-place updates of the HF model (load_state_dict,
+optimizer steps, weight sync) are picked up automatically at the next `generate` call.
+
+`int8=True` builds the quantized_self drafter: every matmul (lm_head included) becomes an int8 weight-only
+matmul with per-output-channel scales (re-quantized from the policy on refresh).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specrl.runtime.engine.kv_cache import StaticKVCache
+
+
+@dataclass
+class ForwardPlan:
+    """Everything about one forward's shape that is shared by all layers (built once per forward)."""
+
+    slot0: int
+    batch: int
+    tokens: int
+    positions: torch.Tensor  # [B, T]
+    rows: torch.Tensor | None  # [B, T] slot index per position (multi-row writes)
+    single_row_start: int | None
+    kv_len: int
+    mask: torch.Tensor | None  # [B, 1, T, kv_len] bool, True = attend
+    cos: torch.Tensor  # [B, 1, T, D]
+    sin: torch.Tensor
+    flat_index: torch.Tensor | None = None  # cache-write index, computed by the cache on first use
+
+
+class Dense:
+    """y = x W^T + b with plain tensors (no module dispatch)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.out_features = weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Dense:
+    """Weight-only int8 matmul, symmetric per-output-channel scales; activations stay in the model dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        self.qweight = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8).contiguous()
+        self.dtype = weight.dtype
+        self.scale = scale.to(weight.dtype)
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self._packed_ok = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = None
+        if self._packed_ok:
+            try:
+                y = torch._weight_int8pack_mm(x2, self.qweight, self.scale)
+            except (RuntimeError, NotImplementedError):
+                self._packed_ok = False  # kernel missing for this device/dtype: dequantizing fallback
+        if y is None:
+            y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _cat_bias(mods: list[nn.Linear]) -> torch.Tensor | None:
+    if all(m.bias is None for m in mods):
+        return None
+    return torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=m.weight.dtype,
+                                                                     device=m.weight.device) for m in mods])
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The base decoder (LlamaModel/Qwen2Model) of a *ForCausalLM."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        raise ValueError(f"model: expected a Llama/Qwen2-style causal LM, got {type(model).__name__}")
+    return inner
+
+
+class TransformerRunner:
+    """Runs (the first `num_layers` layers of) a Llama/Qwen2 causal LM over a StaticKVCache."""
+
+    def __init__(self, model: nn.Module, int8: bool = False, max_positions: int | None = None) -> None:
+        self.model = model
+        self.int8 = int8
+        cfg = model.config
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            raise ValueError("model: sliding-window attention is not supported by the native engine")
+        self.config = cfg
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = cfg.vocab_size
+        self.eps = float(cfg.rms_norm_eps)
+        dec = decoder_of(model)
+        self.num_layers = len(dec.layers)
+        self.scaling = float(dec.layers[0].self_attn.scaling)
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.max_positions = int(max_positions or getattr(cfg, "max_position_embeddings", 2048))
+        self._signature: tuple = ()
+        self.refresh()
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def _source_params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def _current_signature(self) -> tuple:
+        return tuple((id(p), p._version) for p in self._source_params())
+
+    def refresh_if_stale(self) -> bool:
+        sig = self._current_signature()
+        if sig != self._signature:
+            self.refresh()
+            return True
+        return False
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """(Re)build the fused (and, for int8, re-quantized) weights from the HF model."""
+        dense = Int8Dense if self.int8 else Dense
+        dec = decoder_of(self.model)
+        layers = []
+        for layer in dec.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            qkv = [at.q_proj, at.k_proj, at.v_proj]
+            layers.append(
+                LayerWeights(
+                    in_norm=layer.input_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    qkv=dense(torch.cat([m.weight for m in qkv]).detach(), _cat_bias(qkv)),
+                    o=dense(at.o_proj.weight.detach(),
+                            None if at.o_proj.bias is None else at.o_proj.bias.detach()),
+                    gate_up=dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                                  _cat_bias([mlp.gate_proj, mlp.up_proj])),
+                    down=dense(mlp.down_proj.weight.detach(),
+                               None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach()),
+                    act=mlp.act_fn,
+                )
+            )
+        self.layers = layers
+        self.embed = dec.embed_tokens.weight.detach()
+        self.final_norm = dec.norm.weight.detach()
+        head = self.model.get_output_embeddings()
+        self.lm_head = dense(head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach())
+        rot = dec.rotary_emb
+        inv_freq = rot.inv_freq.detach().to(self.device, torch.float32)
+        pos = torch.arange(self.max_positions, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(getattr(rot, "attention_scaling", 1.0))
+        self.cos_table = (emb.cos() * scale).to(self.dtype)
+        self.sin_table = (emb.sin() * scale).to(self.dtype)
+        self._signature = self._current_signature()
+
+    # ---- cache ---------------------------------------------------------------------------------------------
+    def new_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> StaticKVCache:
+        return StaticKVCache(num_layers or self.num_layers, slots, self.num_kv_heads, max_len, self.head_dim,
+                             self.dtype, self.device)
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def plan(self, slot0: int, starts: list[int], tokens: int) -> ForwardPlan:
+        b = len(starts)
+        dev = self.device
+        kv_len = max(starts) + tokens
+        if kv_len > self.max_positions:
+            raise ValueError(f"max_model_len: position {kv_len} exceeds the rotary table ({self.max_positions})")
+        ar = torch.arange(tokens, device=dev)
+        if b == 1:
+            positions = (ar + starts[0]).unsqueeze(0)
+        else:
+            positions = torch.tensor(starts, device=dev).unsqueeze(1) + ar.unsqueeze(0)
+        mask = None
+        if not (b == 1 and tokens == 1):
+            keys = torch.arange(kv_len, device=dev)
+            mask = (keys.view(1, 1, 1, kv_len) <= positions.view(b, 1, tokens, 1))
+        rows = None
+        if b > 1:
+            rows = torch.arange(slot0, slot0 + b, device=dev).unsqueeze(1).expand(b, tokens)
+        return ForwardPlan(
+            slot0=slot0, batch=b, tokens=tokens, positions=positions, rows=rows,
+            single_row_start=starts[0] if b == 1 else None, kv_len=kv_len, mask=mask,
+            cos=self.cos_table[positions].unsqueeze(1), sin=self.sin_table[positions].unsqueeze(1),
+        )
+
+    def layers_forward(self, h: torch.Tensor, cache: StaticKVCache, plan: ForwardPlan,
+                       num_layers: int | None = None) -> torch.Tensor:
+        """Run layers 0..num_layers-1 on hidden states h [B, T, H], writing K/V into `cache`."""
+        b, t = plan.batch, plan.tokens
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qs, kvs = nh * d, nkv * d
+        gqa = nh != nkv
+        cos, sin = plan.cos, plan.sin
+        half = d // 2
+        for i, w in enumerate(self.layers[: num_layers or self.num_layers]):
+            a = F.rms_norm(h, (self.hidden_size,), w.in_norm, self.eps)
+            qkv = w.qkv(a)
+            q = qkv[..., :qs].view(b, t, nh, d).transpose(1, 2)
+            k = qkv[..., qs : qs + kvs].view(b, t, nkv, d).transpose(1, 2)
+            v = qkv[..., qs + kvs :].view(b, t, nkv, d).transpose(1, 2)
+            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            cache.write(i, plan, k, v)
+            kc, vc = cache.view(i, plan.slot0, b, plan.kv_len)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=plan.mask, scale=self.scaling, enable_gqa=gqa)
+            h = h + w.o(o.transpose(1, 2).reshape(b, t, qs))
+            a = F.rms_norm(h, (self.hidden_size,), w.post_norm, self.eps)
+            gu = w.gate_up(a)
+            inter = gu.shape[-1] // 2
+            h = h + w.down(w.act(gu[..., :inter]) * gu[..., inter:])
+        return h
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm + lm_head: returns (logits fp32, normed hidden)."""
+        hn = F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps)
+        return self.lm_head(hn).float(), hn
+
+    def forward(self, cache: StaticKVCache, slot0: int, starts: list[int], tokens: torch.Tensor,
+                num_layers: int | None = None, last_index: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] for slots slot0.., row b at positions starts[b]..starts[b]+T-1.
+
+        Returns (logits fp32, normed hidden): [B, T, *] for all positions, or [B, *] at `last_index` [B].
+        """
+        plan = self.plan(slot0, starts, tokens.shape[1])
+        h = F.embedding(tokens, self.embed)
+        h = self.layers_forward(h, cache, plan, num_layers)
+        if last_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), last_index]
+        return self.head(h)

@@ -1,0 +1,62 @@
+"""What every proposer implements, and the per-step context the engine hands it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specrl.runtime.engine.sampling import BatchSamplingTensors
+
+if TYPE_CHECKING:
+    from specrl.runtime.engine.engine import RolloutEngine
+
+
+@dataclass
+class DraftContext:
+    """The active batch (slots 0..B-1) at the start of a speculative step."""
+
+    tokens: list[list[int]]  # per row: prompt + generated so far; the last token is not yet in the target cache
+    sampling: BatchSamplingTensors
+    uniforms: torch.Tensor  # [B, gamma] float64, one per drafted position (from each request's own stream)
+
+    @property
+    def batch(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, gamma] int64 (-1 beyond a row's length)
+    probs: torch.Tensor | None  # [B, gamma, V] fp32, the distribution each draft was sampled from; None = one-hot
+    lens: torch.Tensor | None = None  # [B] int64 drafts per row; None = gamma for every row
+
+
+class Proposer:
+    """Base class. Slot-indexed state must follow the engine's slots (reset on join, move on compaction)."""
+
+    name: str = "base"
+    needs_hidden: bool = False  # True: the engine passes target hidden states via observe_target
+
+    def attach(self, engine: RolloutEngine) -> None:
+        """Allocate per-slot state for the engine's slots / max length (called once by the engine)."""
+
+    def reset_slot(self, slot: int) -> None:
+        """A new sequence now lives in `slot`."""
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """The sequence in `src` moved to `dst` (compaction)."""
+
+    def truncate(self, target_lens: list[int]) -> None:
+        """After a step: row b's tokens are final up to target_lens[b] positions (the rest may be rolled back)."""
+
+    def observe_target(self, hidden: torch.Tensor, starts: list[int], counts: list[int], slot0: int = 0) -> None:
+        """Target normed hidden states [B, T, H] of slots slot0.. at positions starts[b]..starts[b]+counts[b]-1
+        (only called when needs_hidden; counts[b] <= T: only the final positions of the sequence)."""
+
+    def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
+        raise NotImplementedError
+
+    def refresh(self, policy: torch.nn.Module | None = None) -> None:
+        """Follow a policy update (re-quantize, re-read shared weights, ...)."""

@@ -1,0 +1,91 @@
+"""Draft-model proposer: a small causal LM (Llama/Qwen2, same tokenizer/vocab) with its own static KV cache.
+
+Drafts are *sampled* from the draft's processed distribution q (same temperature/top-k/top-p as the request)
+and q is returned, so the verifier can accept with min(1, p/q). The draft cache lags the sequence after
+all-accepted steps and AR steps; `propose` first catches up on every token the draft has not seen (a ragged,
+right-padded forward), then drafts gamma tokens one forward at a time.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from specrl.runtime.engine.model_runner import TransformerRunner
+from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
+from specrl.runtime.engine.sampling import process_logits, sample_from_probs
+
+if TYPE_CHECKING:
+    from specrl.runtime.engine.engine import RolloutEngine
+
+
+class DraftModelProposer(Proposer):
+    name = "draft_model"
+
+    def __init__(self, draft_model: nn.Module, int8: bool = False) -> None:
+        self.draft_model = draft_model
+        self.int8 = int8
+        self.runner: TransformerRunner | None = None
+        self.lens: list[int] = []
+
+    def attach(self, engine: RolloutEngine) -> None:
+        if self.draft_model.config.vocab_size != engine.vocab_size:
+            raise ValueError(f"draft_model: vocab_size {self.draft_model.config.vocab_size} differs from the "
+                             f"target's {engine.vocab_size}")
+        self.runner = TransformerRunner(self.draft_model, int8=self.int8, max_positions=engine.cache_len)
+        if self.runner.device != engine.device:
+            raise ValueError(f"draft_model: on {self.runner.device}, the target is on {engine.device}")
+        self.cache = self.runner.new_cache(engine.max_batch_size, engine.cache_len)
+        self.lens = [0] * engine.max_batch_size
+
+    def reset_slot(self, slot: int) -> None:
+        self.lens[slot] = 0
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self.cache.move_slot(src, dst, self.lens[src])
+        self.lens[dst] = self.lens[src]
+
+    def truncate(self, target_lens: list[int]) -> None:
+        for b, n in enumerate(target_lens):
+            if self.lens[b] > n:
+                self.lens[b] = n
+
+    def refresh(self, policy: nn.Module | None = None) -> None:
+        if self.runner is not None:
+            self.runner.refresh()
+
+    def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
+        assert self.runner is not None, "attach() first"
+        runner = self.runner
+        b = ctx.batch
+        dev = runner.device
+        # Catch up on unseen tokens (ragged): row b feeds tokens[lens[b]:], which always includes the last one.
+        starts = [self.lens[i] for i in range(b)]
+        chunks = [ctx.tokens[i][starts[i]:] for i in range(b)]
+        width = max(len(c) for c in chunks)
+        if width == 1:
+            inp = torch.tensor(chunks, dtype=torch.int64, device=dev)
+            last = None
+        else:
+            inp = torch.tensor([c + [0] * (width - len(c)) for c in chunks], dtype=torch.int64, device=dev)
+            last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64, device=dev)
+        logits, _ = runner.forward(self.cache, 0, starts, inp, last_index=last)
+        if last is None:
+            logits = logits[:, 0]
+        n = [len(t) for t in ctx.tokens]
+        tokens = torch.empty((b, gamma), dtype=torch.int64, device=dev)
+        probs = torch.empty((b, gamma, runner.vocab_size), dtype=torch.float32, device=dev)
+        for j in range(gamma):
+            q = process_logits(logits, ctx.sampling)
+            d = sample_from_probs(q, ctx.uniforms[:, j])
+            tokens[:, j] = d
+            probs[:, j] = q
+            if j + 1 < gamma:
+                # d_{j+1} sits at position n-1+j+1 = n+j.
+                logits, _ = runner.forward(self.cache, 0, [x + j for x in n], d.unsqueeze(1))
+                logits = logits[:, 0]
+        for i in range(b):
+            self.lens[i] = n[i] + gamma - 1
+        return Proposal(tokens=tokens, probs=probs)
