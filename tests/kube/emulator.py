@@ -245,7 +245,7 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
 # The emulator
 
 
-@attrs.define
+@attrs.define(eq=False)  # hashed by identity: kept in a set
 class _Watcher:
     resource: kmock.resource
     namespace: str | None
