@@ -12,6 +12,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.parse
@@ -341,6 +342,57 @@ class Prometheus:
 
     def label_values(self, label: str, metric: str) -> list[str]:
         return list(self.api(f"label/{label}/values", **{"match[]": metric}))
+
+
+@dataclass
+class OperatorProc:
+    proc: subprocess.Popen[bytes]
+    metrics_port: int
+    health_port: int
+    log: Path
+
+    @property
+    def health_url(self) -> str:
+        return f"http://127.0.0.1:{self.health_port}/healthz"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def start_operator(kubeconfig: Path, log: Path, *extra: str) -> OperatorProc:
+    """`specrl operator` as the chart runs it (all namespaces, metrics + health ports), against the emulator."""
+    metrics_port, health_port = free_port(), free_port()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    specrl = str(Path(sys.executable).parent / "specrl")
+    handle = open(log, "wb")  # noqa: SIM115 (owned by the process; closed when the file object is collected)
+    proc = subprocess.Popen(
+        [specrl, "operator", "--all-namespaces", f"--metrics-port={metrics_port}",
+         f"--health-port={health_port}", *extra],
+        env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=REPO)
+    op = OperatorProc(proc, metrics_port, health_port, log)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"specrl operator exited with {proc.returncode}:\n{op.output()}")
+        try:
+            with urllib.request.urlopen(op.health_url, timeout=1) as resp:
+                if resp.status == 200:
+                    return op
+        except OSError:
+            time.sleep(0.3)
+    stop(proc)
+    raise AssertionError(f"specrl operator not live on {op.health_url} within 60 s:\n{op.output()}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
 
 
 @dataclass
