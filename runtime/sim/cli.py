@@ -1,0 +1,64 @@
+"""`specrl simulate [SCENARIO.yaml | --preset NAME] [--json FILE] [--plot PNG] [--list]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from specrl.runtime.sim.analysis import Report, evaluate
+from specrl.runtime.sim.hardware import gpu as gpu_named
+from specrl.runtime.sim.scenario import list_presets, load_scenario
+
+
+def _table(report: Report) -> Table:
+    s = report.scenario
+    t = Table(title=f"{s.name} — {s.model} on {s.cluster.gpus}x {s.cluster.gpu}, {s.mode}, {s.placement}, "
+                    f"drafter {s.speculative.drafter} ({s.speculative.policy})")
+    for col in ("run", "rollout s/step", "step s", "trainer GPU·h", "rollout GPU·h", "rollout idle in tail",
+                "SD share", "vs AR", "vs static split"):
+        t.add_column(col, justify="right" if col != "run" else "left")
+    rows = [("AR", report.ar), ("SD", report.sd),
+            (f"SD, best static split ({report.static_trainer_gpus} trainer GPUs)", report.static),
+            ("SD, elastic (operator policy)", report.elastic)]
+    for name, r in rows:
+        n = len(r.steps)
+        t.add_row(name, f"{r.rollout_seconds / n:.1f}", f"{r.total_seconds / n:.1f}",
+                  f"{r.gpu_seconds('trainer') / 3600:.1f}", f"{r.gpu_seconds('rollout') / 3600:.1f}",
+                  f"{r.tail_idle_fraction():.0%}", f"{sum(x.sd_share for x in r.steps) / n:.0%}",
+                  f"{report.ar.total_seconds / r.total_seconds:.2f}x",
+                  f"{report.static.total_seconds / r.total_seconds:.2f}x")
+    return t
+
+
+def main(args: argparse.Namespace) -> int:
+    console = Console(width=max(150, Console().width))
+    if args.list:
+        for name in list_presets():
+            console.print(f"{name}: {load_scenario(preset=name).description.strip()}")
+        return 0
+    try:
+        scenario = load_scenario(args.scenario, args.preset)
+        gpu_named(scenario.cluster.gpu)
+    except ValueError as exc:
+        print(f"specrl simulate: {exc}", file=sys.stderr)
+        return 2
+    with console.status(f"simulating {scenario.name} (AR, SD, split sweep, elastic)…"):
+        report = evaluate(scenario)
+    console.print(_table(report))
+    console.print(f"rollout speedup {report.rollout_speedup:.2f}x · end-to-end {report.end_to_end_speedup:.2f}x · "
+                  f"elastic vs best static split {report.elastic_vs_static_speedup:.2f}x")
+    moves = report.to_json(args.preset)["runs"]["elastic"]["moves"]
+    if moves:
+        console.print(f"elastic moves: {', '.join(moves[:8])}{' …' if len(moves) > 8 else ''}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(args.preset), indent=2))
+    if args.plot:
+        from specrl.runtime.sim.plot import timeline
+
+        console.print(f"timeline: {timeline(report, args.plot)}")
+    return 0

@@ -1,0 +1,203 @@
+"""Scenario files for `specrl simulate`: what cluster, model, workload and speculation policy to simulate.
+
+A scenario is YAML validated by these models (unknown keys are errors, like everywhere in specrl). Presets are
+scenarios shipped under `presets/`; every number in them that comes from a paper says where it came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESETS = Path(__file__).with_name("presets")
+
+Drafter = Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Cluster(_Strict):
+    gpu: str = Field("H100", description="accelerator name from data/hardware.yaml")
+    gpus: int = Field(8, ge=2, description="GPUs in the job's pool (trainer + rollout)")
+
+
+class Efficiency(_Strict):
+    bandwidth: float = Field(0.75, gt=0, le=1, description="achieved / peak HBM bandwidth in decode")
+    decode_mfu: float = Field(0.5, gt=0, le=1, description="achieved / peak FLOP/s when decode is compute-bound")
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    step_overhead_ms: float = Field(2.0, ge=0, description="fixed cost of one engine step (launch, scheduling)")
+    per_seq_overhead_us: float = Field(10.0, ge=0, description="per-sequence cost of one step (sampling, bookkeeping)")
+    sync_efficiency: float = Field(0.7, gt=0, le=1, description="achieved / peak link bandwidth for weight sync")
+
+
+class Rollout(_Strict):
+    tensor_parallel: int = Field(1, ge=1, description="GPUs per inference instance")
+    max_batch: int = Field(256, ge=1, description="max concurrent sequences per instance (vLLM max_num_seqs)")
+    efficiency: Efficiency = Efficiency()
+
+
+class Training(_Strict):
+    mfu: float = Field(0.35, gt=0, le=1, description="model FLOPs utilisation of the trainer")
+    recompute_logprobs: bool = Field(True, description="an extra forward for the old-policy logprobs")
+    reference_model: bool = Field(False, description="an extra forward for the KL reference")
+    fixed_overhead_s: float = Field(0.0, ge=0, description="per step: optimizer, checkpoints, data loading")
+
+
+class Response(_Strict):
+    distribution: Literal["lognormal", "pareto", "empirical"] = "lognormal"
+    median: float = Field(1000, gt=0, description="median response length (tokens)")
+    sigma: float = Field(0.8, gt=0, description="lognormal shape")
+    alpha: float = Field(1.5, gt=0, description="pareto tail index")
+    min: int = Field(16, ge=1)
+    max: int = Field(16384, ge=1, description="max new tokens: responses are truncated here")
+    lengths: list[int] = Field(default_factory=list, description="empirical lengths (distribution: empirical)")
+    metrics_file: str | None = Field(None, description="a `specrl run` metrics.jsonl to take empirical lengths from")
+
+
+class Workload(_Strict):
+    steps: int = Field(8, ge=1)
+    prompts_per_step: int = Field(128, ge=1)
+    group_size: int = Field(8, ge=1)
+    prompt_tokens: int = Field(256, ge=1)
+    response: Response = Response()
+    length_growth_per_step: float = Field(0.0, description="relative growth of the median length per RL step")
+    seed: int = 0
+
+
+class Acceptance(_Strict):
+    alpha: float = Field(0.7, ge=0, lt=1, description="per-token acceptance probability of the drafter")
+    per_position: list[float] = Field(default_factory=list, description="acceptance per draft position (overrides alpha)")
+    drift_per_step: float = Field(0.0, ge=0, description="alpha lost per RL step while the drafter is stale")
+    min_alpha: float = Field(0.2, ge=0, lt=1)
+
+
+class DrafterTraining(_Strict):
+    enabled: bool = False
+    interval: int = Field(1, ge=1, description="RL steps between drafter updates")
+    recovery: float = Field(1.0, ge=0, le=1, description="share of the lost acceptance a drafter update wins back")
+
+
+class Speculative(_Strict):
+    drafter: Drafter = "none"
+    draft_model: str | None = Field(None, description="model name for drafter: draft_model")
+    quant_bits: int = Field(4, ge=2, le=16, description="weight bits of the quantized_self drafter")
+    skip_fraction: float = Field(0.5, gt=0, lt=1, description="share of layers a layer_skip drafter runs")
+    num_speculative_tokens: int = Field(3, ge=1, le=16)
+    policy: Literal["always", "toggle", "adaptive"] = Field(
+        "adaptive", description="always: fixed gamma; toggle: on when predicted gain; adaptive: toggle + best gamma"
+    )
+    gamma_choices: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])
+    toggle_margin: float = Field(0.05, ge=0)
+    overhead_ms: float = Field(0.5, ge=0, description="per SD iteration: rejection sampling, bookkeeping")
+    acceptance: Acceptance = Acceptance()
+    drafter_training: DrafterTraining = DrafterTraining()
+
+
+class Elastic(_Strict):
+    enabled: bool = False
+    poll_seconds: float = Field(10.0, gt=0, description="how often the operator polls the coordinator")
+    drain_seconds: float = Field(20.0, ge=0, description="drain of the victim worker")
+    startup_seconds: float = Field(60.0, ge=0, description="pod start, model load and group rebuild")
+    cooldown_seconds: float = Field(120.0, ge=0)
+    long_tail_fraction: float = Field(0.25, gt=0, le=1)
+    queue_high_watermark: int = Field(64, ge=0, description="queued prompts per rollout worker that pull GPUs")
+    queue_low_watermark: int = Field(0, ge=0, description="queued prompts per rollout worker below which GPUs may leave")
+    trainer_backlog_high_watermark: int = Field(0, ge=0, description="0: one step's prompts")
+    hysteresis: int = Field(3, ge=1, description="consecutive polls that must agree before a move")
+    max_pods_per_move: int = Field(1, ge=1)
+    min_trainer_gpus: int = Field(1, ge=1)
+    min_rollout_gpus: int = Field(1, ge=1)
+
+
+class Expect(_Strict):
+    """Published results a preset reproduces (the fidelity tests compare against these)."""
+
+    rollout_speedup: float | None = None
+    rollout_tolerance: float = 0.15
+    end_to_end_speedup: float | None = None
+    end_to_end_tolerance: float = 0.20
+    end_to_end_min: float | None = None
+    rollout_latency_reduction: float | None = Field(None, description="published 1 - SD/AR rollout latency")
+    end_to_end_latency_reduction: float | None = None
+    reduction_tolerance: float = Field(0.05, description="absolute tolerance on the reductions (points)")
+    source: str = ""
+
+
+class Calibration(_Strict):
+    """Measured costs that replace the roofline (from `specrl bench rollout --json`)."""
+
+    target_step_seconds: dict[int, float] = Field(description="batch size -> seconds of one AR decode step")
+    draft_ratio: float = Field(gt=0, description="draft step / target step")
+    verify_ratio: dict[int, float] = Field(description="batch size -> verify(gamma+1 tokens) / target step")
+    measured_speedup: float | None = None
+    measured_acceptance_length: float | None = None
+
+
+class Scenario(_Strict):
+    name: str = "scenario"
+    description: str = ""
+    sources: list[str] = Field(default_factory=list)
+    cluster: Cluster = Cluster()
+    model: str = "Qwen3-8B"
+    placement: Literal["colocated", "split"] = "split"
+    trainer_gpus: int | None = Field(None, ge=1, description="split placement: trainer share of the pool")
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = Field(1, ge=0)
+    rollout: Rollout = Rollout()
+    training: Training = Training()
+    workload: Workload = Workload()
+    speculative: Speculative = Speculative()
+    elastic: Elastic = Elastic()
+    calibration: Calibration | None = None
+    expect: Expect = Expect()
+
+    @model_validator(mode="after")
+    def _check(self) -> "Scenario":
+        if self.placement == "split":
+            t = self.trainer_gpus if self.trainer_gpus is not None else self.cluster.gpus // 2
+            if not 1 <= t < self.cluster.gpus:
+                raise ValueError(f"trainer_gpus: must be between 1 and cluster.gpus-1 ({self.cluster.gpus - 1}), got {t}")
+            if (self.cluster.gpus - t) < self.rollout.tensor_parallel:
+                raise ValueError("trainer_gpus: leaves fewer rollout GPUs than rollout.tensor_parallel")
+        if self.speculative.drafter == "draft_model" and not self.speculative.draft_model:
+            raise ValueError("speculative.draft_model: required when drafter is draft_model")
+        if self.mode == "async" and self.placement == "colocated":
+            raise ValueError("mode: async needs placement: split (colocated roles cannot overlap)")
+        return self
+
+    @property
+    def split_trainer_gpus(self) -> int:
+        return self.trainer_gpus if self.trainer_gpus is not None else self.cluster.gpus // 2
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def load_scenario(path: str | Path | None = None, preset: str | None = None) -> Scenario:
+    """Load a scenario file or a preset; errors name the file and the field."""
+    if preset is not None:
+        path = PRESETS / f"{preset}.yaml"
+        if not path.exists():
+            raise ValueError(f"unknown preset {preset!r}; known: {', '.join(list_presets())}")
+    if path is None:
+        raise ValueError("give a scenario file or --preset NAME")
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a scenario must be a mapping")
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{path}: {'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
+        raise ValueError("\n".join(lines)) from None

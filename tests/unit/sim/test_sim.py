@@ -1,0 +1,169 @@
+"""Simulator: cost-model physics, the event simulation against closed forms, presets against the papers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from specrl.runtime.engine.adaptive import expected_tokens_per_round
+from specrl.runtime.sim.analysis import without_speculation
+from specrl.runtime.sim.cost_model import CostModel, accepted_length
+from specrl.runtime.sim.rl_sim import alpha_at, simulate
+from specrl.runtime.sim.rollout_sim import simulate_instance
+from specrl.runtime.sim.scenario import Scenario, list_presets, load_scenario
+from specrl.runtime.sim.speculation import SpeculationPolicy
+from specrl.runtime.sim.workload import step_lengths
+
+
+def scenario(**kw) -> Scenario:
+    base = {"cluster": {"gpu": "H100", "gpus": 8}, "model": "Qwen3-8B",
+            "speculative": {"drafter": "eagle3", "policy": "adaptive", "acceptance": {"alpha": 0.75}}}
+    base.update(kw)
+    return Scenario.model_validate(base)
+
+
+def test_accepted_length_matches_engine_formula_and_per_position_table() -> None:
+    for a in (0.0, 0.5, 0.8):
+        for g in (1, 3, 6):
+            assert accepted_length(a, g) == pytest.approx(expected_tokens_per_round(a, g))
+    assert accepted_length(0.0, 3, [0.9, 0.5, 0.1]) == pytest.approx(1 + 0.9 + 0.45 + 0.045)
+
+
+def test_decode_is_memory_bound_small_and_compute_bound_large() -> None:
+    c = CostModel(scenario())
+    m = c.model
+    small = c._forward(m, 1, 1000, 1)
+    memory_small = m.weight_bytes_read(1) / (c.gpu.hbm_bytes_per_s * c.eff.bandwidth)
+    assert small == pytest.approx(memory_small, rel=0.05)  # weights dominate at batch 1
+    # verify of 4 tokens costs about one step at batch 1, about 4 steps at a compute-bound batch
+    assert c.verify_step(1, 1000, 3) / c.target_step(1, 1000) < 1.1
+    assert c.verify_step(1024, 1024 * 100, 3) / c.target_step(1024, 1024 * 100) > 2.5
+
+
+def test_moe_verification_touches_more_experts() -> None:
+    c = CostModel(scenario(model="Qwen3-235B-A22B", cluster={"gpu": "GB200", "gpus": 16},
+                           rollout={"tensor_parallel": 8}))
+    assert c.model.weight_bytes_read(4) > 2 * c.model.weight_bytes_read(1)
+    assert c.model.weight_bytes_read(100_000) == pytest.approx(c.model.params * 2, rel=1e-3)
+
+
+def test_speculation_policy_switches_off_at_large_batch() -> None:
+    s = scenario()
+    policy = SpeculationPolicy(s.speculative, CostModel(s))
+    assert policy.choose(1, 2000, 0.75).gamma > 0
+    assert policy.choose(1024, 1024 * 100, 0.75).gamma == 0  # compute-bound: verification costs gamma+1 steps
+    assert policy.choose(1, 2000, 0.05).gamma == 0  # a useless drafter is never used
+
+
+def test_instance_simulation_matches_closed_form_with_flat_costs() -> None:
+    s = scenario(calibration={"target_step_seconds": {1: 0.01}, "draft_ratio": 0.1, "verify_ratio": {1: 1.0}},
+                 speculative={"drafter": "none"})
+    costs = CostModel(s)
+    run = simulate_instance([100, 300, 50], 10, 8, costs, SpeculationPolicy(s.speculative, costs), 0.0)
+    assert run.finish == pytest.approx(300 * 0.01)  # all decode together: the longest one sets the time
+    assert sorted(run.finish_times) == pytest.approx([0.5, 1.0, 3.0])
+    # one slot: strictly sequential
+    run1 = simulate_instance([100, 300, 50], 10, 1, costs, SpeculationPolicy(s.speculative, costs), 0.0)
+    assert run1.finish == pytest.approx(450 * 0.01)
+
+
+def test_instance_simulation_with_speculation_uses_expected_tokens_per_iteration() -> None:
+    s = scenario(calibration={"target_step_seconds": {1: 0.01}, "draft_ratio": 0.05, "verify_ratio": {1: 1.1}},
+                 speculative={"drafter": "draft_model", "draft_model": "Qwen3-0.6B", "policy": "always",
+                              "num_speculative_tokens": 4, "overhead_ms": 0.0})
+    costs = CostModel(s)
+    run = simulate_instance([1000], 10, 8, costs, SpeculationPolicy(s.speculative, costs), 0.8)
+    per_iter = 4 * 0.05 * 0.01 + 1.1 * 0.01
+    assert run.finish == pytest.approx(1000 / expected_tokens_per_round(0.8, 4) * per_iter)
+
+
+def test_workload_is_seeded_long_tailed_and_grows() -> None:
+    w = scenario(workload={"prompts_per_step": 256, "group_size": 8,
+                           "response": {"median": 1000, "sigma": 1.0, "max": 100000},
+                           "length_growth_per_step": 0.1}).workload
+    a, b = step_lengths(w, 0), step_lengths(w, 0)
+    assert np.array_equal(a, b)
+    assert np.median(a) == pytest.approx(1000, rel=0.15)
+    assert np.percentile(a, 99) > 5 * np.median(a)
+    assert np.median(step_lengths(w, 5)) > 1.4 * np.median(a)
+
+
+def test_acceptance_drifts_when_frozen_and_recovers_with_training() -> None:
+    frozen = scenario(speculative={"drafter": "eagle", "acceptance": {"alpha": 0.8, "drift_per_step": 0.05}})
+    trained = scenario(speculative={"drafter": "eagle", "acceptance": {"alpha": 0.8, "drift_per_step": 0.05},
+                                    "drafter_training": {"enabled": True, "interval": 2}})
+    assert alpha_at(frozen, 4) == pytest.approx(0.6)
+    assert alpha_at(trained, 4) == pytest.approx(0.8)
+    assert alpha_at(trained, 5) == pytest.approx(0.75)
+
+
+def test_async_overlaps_rollout_and_training() -> None:
+    common = {"placement": "split", "trainer_gpus": 4, "workload": {"steps": 4, "prompts_per_step": 32}}
+    sync = simulate(scenario(mode="sync", **common))
+    asyn = simulate(scenario(mode="async", **common))
+    assert asyn.total_seconds < sync.total_seconds
+    assert asyn.total_seconds >= max(sum(s.rollout_seconds for s in asyn.steps), asyn.train_seconds) - 1e-6
+
+
+def test_elastic_runs_the_operator_policy_within_bounds() -> None:
+    s = scenario(placement="split", trainer_gpus=4,
+                 workload={"steps": 6, "prompts_per_step": 16, "group_size": 4,
+                           "response": {"median": 2000, "sigma": 1.2, "max": 16384}},
+                 elastic={"enabled": True, "cooldown_seconds": 0, "hysteresis": 1, "min_trainer_gpus": 2,
+                          "min_rollout_gpus": 2, "drain_seconds": 0, "startup_seconds": 0})
+    r = simulate(s)
+    moves = [m for x in r.steps for m in x.moves]
+    assert moves, "a long-tail workload must make the policy move GPUs"
+    assert all(2 <= x.trainer_gpus <= 6 and x.trainer_gpus + x.rollout_gpus == 8 for x in r.steps)
+    assert any(x.trainer_gpus != 4 for x in r.steps)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", list_presets())
+def test_presets_reproduce_published_results(preset: str) -> None:
+    s = load_scenario(preset=preset)
+    sd, ar = simulate(s, elastic=False), simulate(without_speculation(s), elastic=False)
+    rollout, e2e = ar.rollout_seconds / sd.rollout_seconds, ar.total_seconds / sd.total_seconds
+    e = s.expect
+    if e.rollout_speedup is not None:
+        assert rollout == pytest.approx(e.rollout_speedup, rel=e.rollout_tolerance), (preset, rollout)
+    if e.end_to_end_speedup is not None:
+        assert e2e == pytest.approx(e.end_to_end_speedup, rel=e.end_to_end_tolerance), (preset, e2e)
+    if e.end_to_end_min is not None:
+        assert e2e > e.end_to_end_min, (preset, e2e)
+    if e.rollout_latency_reduction is not None:
+        assert abs((1 - 1 / rollout) - e.rollout_latency_reduction) <= e.reduction_tolerance, (preset, rollout)
+    if e.end_to_end_latency_reduction is not None:
+        assert abs((1 - 1 / e2e) - e.end_to_end_latency_reduction) <= e.reduction_tolerance, (preset, e2e)
+
+
+def test_efficientrollout_is_checked_in_latency_points() -> None:
+    e = load_scenario(preset="efficientrollout-7b").expect
+    assert (e.rollout_latency_reduction, e.end_to_end_latency_reduction, e.reduction_tolerance) == (0.196, 0.127, 0.05)
+
+
+def test_cli_json_and_bad_input(tmp_path) -> None:
+    scen = tmp_path / "s.yaml"
+    scen.write_text("name: small\ncluster: {gpu: H100, gpus: 4}\nmodel: Qwen2.5-7B\n"
+                    "workload: {steps: 2, prompts_per_step: 8, group_size: 4}\n"
+                    "speculative: {drafter: eagle, acceptance: {alpha: 0.7}}\n")
+    out = tmp_path / "r.json"
+    png = tmp_path / "t.png"
+    cmd = [sys.executable, "-m", "specrl.runtime.cli", "simulate", str(scen), "--json", str(out), "--plot", str(png)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    for key in ("preset", "rollout_speedup", "end_to_end_speedup", "elastic_vs_static_speedup"):
+        assert key in data
+    assert png.stat().st_size > 10_000
+    scen.write_text("cluster: {gpu: Z9000, gpus: 4}\nworkload: {steps: -1}\n")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "workload.steps" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "simulate", "--preset", "nope"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown preset" in proc.stderr
