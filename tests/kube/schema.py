@@ -80,6 +80,8 @@ class CRDSchema:
                 path = _join(path, key)
             causes.append((path or "<root>", err.message))
         if not causes:
+            causes += self._check_list_maps(self.schema, obj, "")
+        if not causes:
             causes += self._check_cel(self.schema, obj, "")
         if causes:
             raise AdmissionError(causes)
@@ -123,6 +125,28 @@ class CRDSchema:
         elif isinstance(value, list) and isinstance(schema.get("items"), dict):
             for item in value:
                 self._default(schema["items"], item)
+
+    def _check_list_maps(self, schema: dict[str, Any], value: Any, path: str) -> list[tuple[str, str]]:
+        """`x-kubernetes-list-type: map` lists must not repeat a key (the server says "Duplicate value")."""
+        causes: list[tuple[str, str]] = []
+        if isinstance(value, list) and schema.get("x-kubernetes-list-type") == "map":
+            keys = schema.get("x-kubernetes-list-map-keys", [])
+            seen: set[tuple[Any, ...]] = set()
+            for i, item in enumerate(value):
+                key = tuple(item.get(k) for k in keys) if isinstance(item, dict) else (item,)
+                if key in seen:
+                    causes.append((_join(_join(path, i), keys[0] if len(keys) == 1 else ""),
+                                   f"Duplicate value: {dict(zip(keys, key))}"))
+                seen.add(key)
+        if isinstance(value, dict):
+            props = schema.get("properties") or {}
+            for key, item in value.items():
+                if key in props:
+                    causes += self._check_list_maps(props[key], item, _join(path, key))
+        elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            for i, item in enumerate(value):
+                causes += self._check_list_maps(schema["items"], item, _join(path, i))
+        return causes
 
     # ---------------------------------------------------------------------------------------------------
     def _program(self, rule: str) -> Any:

@@ -1,0 +1,330 @@
+"""Every RLJob validation rule: a bad example, the exact field path, and the same verdict from the CRD.
+
+Each case is checked twice: by the pydantic models (`parse_job`, what `specrl validate`, local mode and the
+operator use) and by the generated CRD as the API server would apply it (openAPIV3Schema + CEL rules,
+`tests.kube.schema`). `crd=None` marks the few rules the CRD cannot express.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specrl.runtime import api
+from specrl.runtime.api import API_VERSION, JobValidationError, RLJob, parse_job
+from specrl.runtime.crd import build_crd
+from tests.kube.schema import AdmissionError, CRDSchema
+
+SAME = object()  # the CRD reports the same path as pydantic
+
+
+def _doc(spec: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"apiVersion": API_VERSION, "kind": "RLJob", "metadata": {"name": "job"}, "spec": spec or {}}
+    doc.update(top)
+    return doc
+
+
+# (id, document, expected pydantic path, message fragment, CRD path: SAME | str | None)
+CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
+    # --- metadata and identity
+    ("name-dns", _doc(metadata={"name": "Bad_Name"}), "metadata.name", "not a valid job name", SAME),
+    ("name-leading-digit", _doc(metadata={"name": "1job"}), "metadata.name", "starting with a letter", SAME),
+    ("name-too-long", _doc(metadata={"name": "a" * 46}), "metadata.name", "at most 45", SAME),
+    ("name-missing", _doc(metadata={}), "metadata.name", "required field is missing", None),
+    ("namespace-dns", _doc(metadata={"name": "job", "namespace": "Bad"}), "metadata.namespace",
+     "not a DNS-1123 label", None),
+    ("metadata-unknown", _doc(metadata={"name": "job", "lables": {}}), "metadata.lables", "unknown field", None),
+    # --- unknown fields and types
+    ("unknown-top", _doc(spce={}), "spce", "unknown field", "spce"),
+    ("unknown-spec", _doc({"bogus": 1}), "spec.bogus", "unknown field", SAME),
+    ("unknown-nested", _doc({"speculative": {"adaptve": {}}}), "spec.speculative.adaptve", "unknown field", SAME),
+    ("type-int-as-string", _doc({"algorithm": {"steps": "20"}}), "spec.algorithm.steps", "valid integer", SAME),
+    ("type-bool-as-string", _doc({"suspend": "yes"}), "spec.suspend", "valid boolean", SAME),
+    ("type-object-as-list", _doc({"model": []}), "spec.model", "", SAME),
+    ("type-float-as-string", _doc({"algorithm": {"learningRate": "fast"}}), "spec.algorithm.learningRate",
+     "valid number", SAME),
+    # --- enums
+    ("dtype", _doc({"model": {"dtype": "int4"}}), "spec.model.dtype", "must be one of", SAME),
+    ("algorithm-name", _doc({"algorithm": {"name": "ppo"}}), "spec.algorithm.name", "grpo", SAME),
+    ("dataset-type", _doc({"dataset": {"type": "csv"}}), "spec.dataset.type", "must be one of", SAME),
+    ("reward-type", _doc({"reward": {"type": "llm_judge"}}), "spec.reward.type", "must be one of", SAME),
+    ("mode", _doc({"mode": "fast"}), "spec.mode", "must be one of", SAME),
+    ("method", _doc({"speculative": {"method": "medusa"}}), "spec.speculative.method", "must be one of", SAME),
+    ("backend", _doc({"weightSync": {"backend": "mpi"}}), "spec.weightSync.backend", "must be one of", SAME),
+    ("toleration-op", _doc({"resources": {"podTemplate": {"tolerations": [{"operator": "In"}]}}}),
+     "spec.resources.podTemplate.tolerations[0].operator", "must be one of", SAME),
+    ("toleration-effect", _doc({"resources": {"podTemplate": {"tolerations": [{"effect": "Never"}]}}}),
+     "spec.resources.podTemplate.tolerations[0].effect", "must be one of", SAME),
+    ("pull-policy", _doc({"resources": {"podTemplate": {"imagePullPolicy": "Sometimes"}}}),
+     "spec.resources.podTemplate.imagePullPolicy", "must be one of", SAME),
+    # --- ranges
+    ("group-size", _doc({"algorithm": {"groupSize": 1}}), "spec.algorithm.groupSize", ">= 2", SAME),
+    ("lr-zero", _doc({"algorithm": {"learningRate": 0}}), "spec.algorithm.learningRate", "greater than 0", SAME),
+    ("lr-big", _doc({"algorithm": {"learningRate": 2.0}}), "spec.algorithm.learningRate", "less than or equal", SAME),
+    ("clip", _doc({"algorithm": {"clipRatio": 1.0}}), "spec.algorithm.clipRatio", "less than 1", SAME),
+    ("kl", _doc({"algorithm": {"klCoef": -0.1}}), "spec.algorithm.klCoef", "greater than or equal to 0", SAME),
+    ("steps", _doc({"algorithm": {"steps": 0}}), "spec.algorithm.steps", "greater than or equal to 1", SAME),
+    ("prompts", _doc({"algorithm": {"promptsPerStep": 0}}), "spec.algorithm.promptsPerStep", ">= 1", SAME),
+    ("max-new", _doc({"algorithm": {"maxNewTokens": 0}}), "spec.algorithm.maxNewTokens", ">= 1", SAME),
+    ("temperature", _doc({"algorithm": {"temperature": 0.0}}), "spec.algorithm.temperature", "greater than 0", SAME),
+    ("top-p", _doc({"algorithm": {"topP": 1.5}}), "spec.algorithm.topP", "less than or equal to 1", SAME),
+    ("top-k", _doc({"algorithm": {"topK": -1}}), "spec.algorithm.topK", ">= 0", SAME),
+    ("seed", _doc({"algorithm": {"seed": -1}}), "spec.algorithm.seed", ">= 0", SAME),
+    ("eval-every", _doc({"algorithm": {"evalEvery": -2}}), "spec.algorithm.evalEvery", ">= 0", SAME),
+    ("size", _doc({"dataset": {"synthetic": {"size": 0}}}), "spec.dataset.synthetic.size", ">= 1", SAME),
+    ("difficulty-negative", _doc({"dataset": {"synthetic": {"difficulty": {"hard": -1}}}}),
+     "spec.dataset.synthetic.difficulty.hard", ">= 0", SAME),
+    ("prompt-field-empty", _doc({"dataset": {"type": "jsonl", "path": "/d.jsonl", "promptField": ""}}),
+     "spec.dataset.promptField", "at least 1", SAME),
+    ("staleness-range", _doc({"maxStaleness": 99}), "spec.maxStaleness", "<= 64", SAME),
+    ("num-spec", _doc({"speculative": {"numSpeculativeTokens": 0}}), "spec.speculative.numSpeculativeTokens",
+     ">= 1", SAME),
+    ("epsilon", _doc({"speculative": {"adaptive": {"epsilon": 1.5}}}), "spec.speculative.adaptive.epsilon",
+     "<= 1", SAME),
+    ("window", _doc({"speculative": {"adaptive": {"window": 0}}}), "spec.speculative.adaptive.window", ">= 1", SAME),
+    ("buckets-empty", _doc({"speculative": {"adaptive": {"batchSizeBuckets": []}}}),
+     "spec.speculative.adaptive.batchSizeBuckets", "at least 1", SAME),
+    ("buckets-zero", _doc({"speculative": {"adaptive": {"batchSizeBuckets": [0, 4]}}}),
+     "spec.speculative.adaptive.batchSizeBuckets[0]", ">= 1", SAME),
+    ("drafter-interval", _doc({"speculative": {"drafterTraining": {"interval": 0}}}),
+     "spec.speculative.drafterTraining.interval", ">= 1", SAME),
+    ("replicas-zero", _doc({"resources": {"trainer": {"replicas": 0}}}), "spec.resources.trainer.replicas",
+     ">= 1", SAME),
+    ("gpus-per-pod", _doc({"resources": {"gpusPerPod": 17}}), "spec.resources.gpusPerPod", "<= 16", SAME),
+    ("total-gpus-negative", _doc({"resources": {"totalGPUs": -1}}), "spec.resources.totalGPUs", ">= 0", SAME),
+    ("image-empty", _doc({"resources": {"image": ""}}), "spec.resources.image", "at least 1", SAME),
+    ("toleration-seconds", _doc({"resources": {"podTemplate": {"tolerations": [{"tolerationSeconds": -5}]}}}),
+     "spec.resources.podTemplate.tolerations[0].tolerationSeconds", ">= 0", SAME),
+    ("quantity", _doc({"resources": {"podTemplate": {"resources": {"requests": {"memory": "lots"}}}}}),
+     "spec.resources.podTemplate.resources.requests.memory", "Kubernetes quantity", None),
+    ("env-name", _doc({"resources": {"podTemplate": {"env": [{"name": "1 BAD"}]}}}),
+     "spec.resources.podTemplate.env[0].name", "environment variable name", SAME),
+    ("cooldown", _doc({"elastic": {"cooldownSeconds": -1}}), "spec.elastic.cooldownSeconds", ">= 0", SAME),
+    ("long-tail", _doc({"elastic": {"longTailFraction": 0}}), "spec.elastic.longTailFraction", "greater than 0", SAME),
+    ("hysteresis", _doc({"elastic": {"hysteresis": 0}}), "spec.elastic.hysteresis", ">= 1", SAME),
+    ("drain-timeout", _doc({"elastic": {"drainTimeoutSeconds": 0}}), "spec.elastic.drainTimeoutSeconds", ">= 1", SAME),
+    ("bucket-mib", _doc({"weightSync": {"bucketMiB": 0}}), "spec.weightSync.bucketMiB", ">= 1", SAME),
+    ("checkpoint-interval", _doc({"checkpoint": {"interval": 0}}), "spec.checkpoint.interval", ">= 1", SAME),
+    ("checkpoint-path-empty", _doc({"checkpoint": {"path": ""}}), "spec.checkpoint.path", "at least 1", SAME),
+    ("backoff", _doc({"backoffLimit": -1}), "spec.backoffLimit", ">= 0", SAME),
+    # --- cross-field rules
+    ("builtin-model", _doc({"model": {"name": "builtin:huge"}}), "spec.model.name", "unknown builtin model", SAME),
+    ("model-whitespace", _doc({"model": {"name": "my model"}}), "spec.model.name", "no whitespace", None),
+    ("difficulty-zero", _doc({"dataset": {"synthetic": {"difficulty": {"easy": 0, "medium": 0, "hard": 0}}}}),
+     "spec.dataset.synthetic.difficulty", "must not all be zero", SAME),
+    ("jsonl-needs-path", _doc({"dataset": {"type": "jsonl"}}), "spec.dataset.path", "required when type is jsonl",
+     SAME),
+    ("synthetic-no-path", _doc({"dataset": {"path": "/x.jsonl"}}), "spec.dataset.path", "only used when type is jsonl",
+     SAME),
+    ("function-required", _doc({"reward": {"type": "function"}}), "spec.reward.function", "required", SAME),
+    ("function-form", _doc({"reward": {"type": "function", "function": "os.system"}}), "spec.reward.function",
+     "package.module:function", SAME),
+    ("function-code", _doc({"reward": {"type": "function", "function": "lambda x: 1"}}), "spec.reward.function",
+     "package.module:function", SAME),
+    ("function-unused", _doc({"reward": {"function": "pkg.mod:f"}}), "spec.reward.function", "only used when", SAME),
+    ("adaptive-min-max", _doc({"speculative": {"adaptive": {"minDraftTokens": 6, "maxDraftTokens": 3},
+                                               "numSpeculativeTokens": 4}}),
+     "spec.speculative.adaptive.minDraftTokens", "<= maxDraftTokens", SAME),
+    ("buckets-repeat", _doc({"speculative": {"adaptive": {"batchSizeBuckets": [1, 4, 4]}}}),
+     "spec.speculative.adaptive.batchSizeBuckets", "must not repeat", "spec.speculative.adaptive.batchSizeBuckets"),
+    ("draft-model-required", _doc({"speculative": {"method": "draft_model"}}), "spec.speculative.draftModel",
+     "required when method is draft_model", SAME),
+    ("eagle3-needs-draft", _doc({"speculative": {"method": "eagle3"}}), "spec.speculative.draftModel",
+     "required when method is eagle3", SAME),
+    ("draft-model-unused", _doc({"speculative": {"method": "ngram", "draftModel": "x/y"}}),
+     "spec.speculative.draftModel", "not used by method ngram", SAME),
+    ("draft-model-builtin", _doc({"speculative": {"method": "draft_model", "draftModel": "builtin:nope"}}),
+     "spec.speculative.draftModel", "unknown builtin model", SAME),
+    ("num-spec-in-bounds", _doc({"speculative": {"numSpeculativeTokens": 12}}),
+     "spec.speculative.numSpeculativeTokens", "within adaptive.minDraftTokens..maxDraftTokens", SAME),
+    ("min-replicas", _doc({"resources": {"rollout": {"replicas": 2, "minReplicas": 3}}}),
+     "spec.resources.rollout.minReplicas", "must be <= replicas", SAME),
+    ("max-replicas", _doc({"resources": {"trainer": {"replicas": 4, "maxReplicas": 3}}}),
+     "spec.resources.trainer.maxReplicas", "must be >= replicas", SAME),
+    ("gpu-in-pod-template", _doc({"resources": {"podTemplate": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}}),
+     "spec.resources.podTemplate.resources.limits.nvidia.com/gpu", "gpusPerPod",
+     "spec.resources.podTemplate.resources.limits"),
+    ("env-duplicate", _doc({"resources": {"podTemplate": {"env": [{"name": "A"}, {"name": "A"}]}}}),
+     "spec.resources.podTemplate.env[1].name", "duplicate", SAME),
+    ("env-reserved", _doc({"resources": {"podTemplate": {"env": [{"name": "SPECRL_JOB", "value": "x"}]}}}),
+     "spec.resources.podTemplate.env[0].name", "set by the operator", SAME),
+    ("gpu-budget", _doc({"resources": {"gpusPerPod": 2, "totalGPUs": 6, "trainer": {"replicas": 2},
+                                       "rollout": {"replicas": 2}}}),
+     "spec.resources.totalGPUs", "exceeds totalGPUs 6", SAME),
+    ("gpu-budget-min", _doc({"resources": {"gpusPerPod": 1, "totalGPUs": 4, "trainer": {"replicas": 2, "minReplicas": 2},
+                                           "rollout": {"replicas": 2, "minReplicas": 2}}}), "", "", None),
+    ("queue-watermarks", _doc({"elastic": {"queueHighWatermark": 8, "queueLowWatermark": 8}}),
+     "spec.elastic.queueLowWatermark", "< queueHighWatermark", SAME),
+    ("async-staleness", _doc({"mode": "async", "maxStaleness": 0}), "spec.maxStaleness",
+     "async mode needs maxStaleness >= 1", SAME),
+    ("nccl-needs-gpus", _doc({"weightSync": {"backend": "nccl"}, "resources": {"gpusPerPod": 0}}),
+     "spec.weightSync.backend", "nccl needs GPUs", SAME),
+]
+
+_CRD = CRDSchema(build_crd())
+
+
+def _crd_causes(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    try:
+        _CRD.admit(doc, field_validation="Strict")
+    except AdmissionError as exc:
+        return exc.causes
+    return []
+
+
+@pytest.mark.parametrize(("doc", "path", "fragment", "crd_path"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_rule_reports_the_exact_field_path(doc: dict[str, Any], path: str, fragment: str, crd_path: Any) -> None:
+    if not path:  # a control case: valid, and the CRD agrees
+        parse_job(doc)
+        assert _crd_causes(doc) == []
+        return
+    with pytest.raises(JobValidationError) as info:
+        parse_job(copy.deepcopy(doc), source="f.yaml")
+    problems = info.value.problems
+    assert path in [p.path for p in problems], [str(p) for p in problems]
+    message = next(p.message for p in problems if p.path == path)
+    assert fragment in message or fragment.replace(">= ", "greater than or equal to ") in message \
+        or fragment.replace("<= ", "less than or equal to ") in message, message
+    line = str(next(p for p in problems if p.path == path))
+    assert line.startswith(f"f.yaml: {doc['metadata'].get('name') or '<unnamed>'}: {path}: ")
+    if crd_path is None:
+        return
+    expected = path if crd_path is SAME else crd_path
+    causes = _crd_causes(doc)
+    assert expected in [c[0] for c in causes], causes
+
+
+def test_every_cross_field_rule_has_a_case() -> None:
+    # Each model validator's rule messages appear in at least one case above.
+    covered = " ".join(c[3] for c in CASES)
+    for phrase in ("unknown builtin model", "no whitespace", "must not all be zero", "required when type is jsonl",
+                   "only used when type is jsonl", "<= maxDraftTokens", "must not repeat", "not used by method",
+                   "within adaptive.minDraftTokens", "must be <= replicas", "must be >= replicas", "gpusPerPod",
+                   "duplicate", "set by the operator", "exceeds totalGPUs", "< queueHighWatermark",
+                   "async mode needs maxStaleness", "nccl needs GPUs", "only used when"):
+        assert phrase in covered, phrase
+
+
+def test_minimal_job_is_valid_with_defaults() -> None:
+    job = parse_job(_doc())
+    assert job.spec.model.name == "builtin:tiny"
+    assert job.spec.algorithm.group_size == 8 and job.spec.algorithm.learning_rate == 1e-5
+    assert job.spec.speculative.method == "none" and job.spec.mode == "sync"
+    assert job.namespace == "default"
+    assert _crd_causes(_doc()) == []
+    # No spec at all is valid too (the CRD defaults spec to {}).
+    assert parse_job({"apiVersion": API_VERSION, "kind": "RLJob", "metadata": {"name": "job"}}).spec.suspend is False
+
+
+def test_wrong_api_version_and_kind_are_reported_alone() -> None:
+    with pytest.raises(JobValidationError) as info:
+        parse_job({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": []}})
+    assert [p.path for p in info.value.problems] == ["apiVersion", "kind"]
+    with pytest.raises(JobValidationError) as info:
+        parse_job(["not", "a", "mapping"])
+    assert "expected a mapping" in info.value.problems[0].message
+
+
+def test_camel_case_aliases_and_snake_case_python_names() -> None:
+    job = RLJob.model_validate(_doc({"resources": {"totalGPUs": 4, "gpusPerPod": 1, "trainer": {"replicas": 2},
+                                                   "rollout": {"replicas": 2}},
+                                     "weightSync": {"bucketMiB": 64}}))
+    assert job.spec.resources.total_gpus == 4 and job.spec.weight_sync.bucket_mib == 64
+    dumped = job.to_dict()
+    assert dumped["spec"]["resources"]["totalGPUs"] == 4
+    assert dumped["spec"]["weightSync"]["bucketMiB"] == 64
+    assert dumped["spec"]["algorithm"]["maxNewTokens"] == 128
+    assert "status" not in dumped
+
+
+def test_resolved_fills_derived_defaults() -> None:
+    job = parse_job(_doc({"resources": {"gpusPerPod": 2, "trainer": {"replicas": 2}, "rollout": {"replicas": 3}}}))
+    r = job.resolved()
+    assert r.spec.resources.total_gpus == 10
+    assert r.spec.weight_sync.backend == "nccl"
+    assert r.spec.resources.trainer.max_replicas == 2 and r.spec.resources.rollout.max_replicas == 3  # not elastic
+    elastic = parse_job(_doc({"elastic": {"enabled": True}, "resources": {
+        "gpusPerPod": 1, "totalGPUs": 8, "trainer": {"replicas": 3, "minReplicas": 2},
+        "rollout": {"replicas": 5, "minReplicas": 1}}})).resolved()
+    assert elastic.spec.resources.trainer.max_replicas == 7  # 8 pods of budget - rollout's minimum of 1
+    assert elastic.spec.resources.rollout.max_replicas == 6
+    cpu = parse_job(_doc({"resources": {"gpusPerPod": 0}})).resolved()
+    assert cpu.spec.weight_sync.backend == "gloo" and cpu.spec.resources.total_gpus == 0
+    assert job.spec.resources.total_gpus is None  # resolved() returns a copy
+
+
+def test_config_yaml_round_trips(tmp_path) -> None:
+    job = parse_job(_doc({"speculative": {"method": "draft_model", "draftModel": "builtin:tiny-draft"}},
+                         metadata={"name": "job", "namespace": "ml", "uid": "u-1", "resourceVersion": "7",
+                                   "finalizers": ["kopf.zalando.org/KopfFinalizerMarker"]},
+                         status={"phase": "Running", "kopf": {"progress": {}}}))
+    path = tmp_path / "job.yaml"
+    path.write_text(job.config_yaml())
+    again = api.load_job(path)
+    assert again == job.resolved().model_copy(update={"status": None, "metadata": again.metadata})
+    assert again.metadata.uid is None and again.metadata.namespace == "ml"
+
+
+def test_status_keeps_kopf_state_and_unknown_keys() -> None:
+    job = RLJob.model_validate(_doc(status={"phase": "Running", "kopf": {"dummy": 1}, "step": 3,
+                                            "allocation": {"trainer": {"replicas": 1, "gpus": 1}}}))
+    assert job.status is not None and job.status.step == 3
+    assert job.to_dict(status=True)["status"]["kopf"] == {"dummy": 1}
+
+
+def test_batch_size_buckets_are_kept_sorted() -> None:
+    job = parse_job(_doc({"speculative": {"adaptive": {"batchSizeBuckets": [21, 1, 5]}}}))
+    assert job.spec.speculative.adaptive.batch_size_buckets == [1, 5, 21]
+
+
+def test_yaml_floats_in_exponent_form_are_numbers() -> None:
+    (doc,) = api.load_yaml_documents("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: j}\n"
+                                     "spec: {algorithm: {learningRate: 1e-5}}\n")
+    assert parse_job(doc).spec.algorithm.learning_rate == 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The models and the CRD agree on generated specs (the cross-field rules and their CEL twins).
+
+_specs = st.fixed_dictionaries({}, optional={
+    "mode": st.sampled_from(["sync", "async"]),
+    "maxStaleness": st.integers(0, 3),
+    "speculative": st.fixed_dictionaries({}, optional={
+        "method": st.sampled_from(list(api.SPECULATIVE_METHODS)),
+        "draftModel": st.sampled_from(["builtin:tiny-draft", "builtin:zzz", "org/drafter"]),
+        "numSpeculativeTokens": st.integers(1, 10),
+        "adaptive": st.fixed_dictionaries({}, optional={"minDraftTokens": st.integers(1, 6),
+                                                        "maxDraftTokens": st.integers(1, 10)}),
+    }),
+    "resources": st.fixed_dictionaries({}, optional={
+        "gpusPerPod": st.integers(0, 2),
+        "totalGPUs": st.integers(0, 10),
+        "trainer": st.fixed_dictionaries({}, optional={"replicas": st.integers(1, 4), "minReplicas": st.integers(1, 4),
+                                                      "maxReplicas": st.integers(1, 5)}),
+        "rollout": st.fixed_dictionaries({}, optional={"replicas": st.integers(1, 4), "minReplicas": st.integers(1, 4),
+                                                      "maxReplicas": st.integers(1, 5)}),
+    }),
+    "weightSync": st.fixed_dictionaries({}, optional={"backend": st.sampled_from(["nccl", "gloo"])}),
+    "elastic": st.fixed_dictionaries({}, optional={"queueHighWatermark": st.integers(1, 4),
+                                                  "queueLowWatermark": st.integers(0, 4)}),
+    "reward": st.fixed_dictionaries({}, optional={"type": st.sampled_from(["exact_match", "function"]),
+                                                 "function": st.sampled_from(["pkg.mod:fn", "bad"])}),
+    "dataset": st.fixed_dictionaries({}, optional={"type": st.sampled_from(["synthetic", "jsonl"]),
+                                                  "path": st.sampled_from(["/data/a.jsonl"])}),
+})
+
+
+@settings(max_examples=120, deadline=None)
+@given(_specs)
+def test_models_and_crd_agree(spec: dict[str, Any]) -> None:
+    doc = _doc(spec)
+    try:
+        parse_job(copy.deepcopy(doc))
+        model_ok = True
+    except JobValidationError:
+        model_ok = False
+    assert model_ok == (not _crd_causes(doc)), (spec, _crd_causes(doc))
