@@ -1,0 +1,313 @@
+"""`specrl bench sync`: weight-sync throughput against the raw loopback TCP bandwidth, measured in one run.
+
+Two processes on 127.0.0.1 (a trainer rank 0 and one rollout receiver). In every repeat they first move the
+same number of bytes over a plain TCP socket (one large `sendall`, `recv_into` a pre-touched buffer: the best
+the kernel's loopback can do between these two processes right now), then run a real weight sync of a
+Llama-shaped policy + EAGLE-style drafter state through `specrl.runtime.sync` (packed buckets over a gloo side
+group, atomic swap). Both clocks run on the receiver, from the same barrier to the last byte in place, so the
+two numbers are directly comparable. Warm-up rounds of each are not counted (first-touch page faults).
+Medians of the repeats are reported; every sample is in the JSON.
+
+The full run sweeps a few bucket sizes; the headline row is the spec default (`bucketMiB`, 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_BUCKET_MIB = 256  # RLJob spec.weightSync.bucketMiB default
+WARMUP = 2  # uncounted rounds per bucket size
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    dtype: str = "bfloat16"
+
+
+FULL = Workload("llama-250m+eagle", hidden=1024, intermediate=2816, layers=14, vocab=32000)
+QUICK = Workload("llama-20m+eagle", hidden=512, intermediate=1408, layers=4, vocab=8000)
+
+
+def llama_shapes(w: Workload) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes of a Llama decoder (HF names) plus a one-layer EAGLE head, merged as in a sync."""
+    h, f = w.hidden, w.intermediate
+
+    def layer(prefix: str) -> dict[str, tuple[int, ...]]:
+        return {f"{prefix}.self_attn.q_proj.weight": (h, h), f"{prefix}.self_attn.k_proj.weight": (h, h),
+                f"{prefix}.self_attn.v_proj.weight": (h, h), f"{prefix}.self_attn.o_proj.weight": (h, h),
+                f"{prefix}.mlp.gate_proj.weight": (f, h), f"{prefix}.mlp.up_proj.weight": (f, h),
+                f"{prefix}.mlp.down_proj.weight": (h, f), f"{prefix}.input_layernorm.weight": (h,),
+                f"{prefix}.post_attention_layernorm.weight": (h,)}
+
+    shapes: dict[str, tuple[int, ...]] = {"policy/model.embed_tokens.weight": (w.vocab, h)}
+    for i in range(w.layers):
+        shapes.update(layer(f"policy/model.layers.{i}"))
+    shapes["policy/model.norm.weight"] = (h,)
+    shapes["policy/lm_head.weight"] = (w.vocab, h)
+    shapes["drafter/fc.weight"] = (h, 2 * h)
+    shapes.update(layer("drafter/layers.0"))
+    return shapes
+
+
+def build_state(w: Workload, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, w.dtype)
+    return {name: torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=gen).to(dtype)
+            for name, shape in llama_shapes(w).items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+Config = tuple[str, int]  # (sender mode, bucket MiB); mode "packed" = separate tensors, "zero-copy" = flattened
+
+
+def _worker(rank: int, store_port: int, sock_port: int, workload: Workload, configs: list[Config],
+            repeats: int, out: Any) -> None:
+    try:
+        out.put((rank, "ok", _run(rank, store_port, sock_port, workload, configs, repeats)))
+    except BaseException as exc:  # report, never hang the parent
+        out.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+
+
+def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[Config],
+         repeats: int) -> dict[str, Any]:
+    import torch
+
+    from specrl.runtime.sync import (
+        SyncGroup,
+        VersionedWeights,
+        WeightReceiver,
+        WeightSender,
+        flatten_state,
+        plan_layout,
+    )
+
+    torch.set_num_threads(1)
+    group = SyncGroup.create("127.0.0.1", store_port, rank=rank, world_size=2, timeout_s=120)
+    ping = torch.zeros(1, dtype=torch.int64)
+
+    def barrier() -> None:
+        group.allreduce_sum(ping).wait()
+
+    state = build_state(w) if rank == 0 else None
+    nbytes = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        nbytes[0] = plan_layout(state, 1 << 20).total_bytes
+    group.broadcast(nbytes).wait()
+    n = int(nbytes.item())
+
+    # Raw TCP between the same two processes, same byte count.
+    raw = torch.empty(n, dtype=torch.uint8)
+    raw.fill_(7)  # touch every page before timing
+    mv = memoryview(raw.numpy())
+    if rank == 0:
+        srv = socket.create_server(("127.0.0.1", sock_port))
+        barrier()
+        conn, _ = srv.accept()
+        srv.close()
+    else:
+        barrier()
+        conn = socket.create_connection(("127.0.0.1", sock_port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def socket_round() -> float:
+        barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            conn.sendall(mv)
+            conn.recv(1)
+        else:
+            got = 0
+            while got < n:
+                r = conn.recv_into(mv[got:])
+                if r == 0:
+                    raise ConnectionError("loopback peer closed early")
+                got += r
+            conn.sendall(b"k")
+        return time.perf_counter() - t0
+
+    results: dict[str, Any] = {"bytes": n, "by_bucket": {}}
+    version = 0
+    receiver = WeightReceiver(group) if rank != 0 else None  # its buffer pool persists, as in a rollout worker
+    weights = VersionedWeights()
+    flat_state = None
+    for mode, mib in configs:
+        if rank == 0 and mode == "zero-copy" and flat_state is None:
+            # What a trainer gets from flatten_modules_: parameters are views of one buffer in sync layout.
+            flat_state = flatten_state(state)
+        payload = flat_state if mode == "zero-copy" else state
+        sender = WeightSender(group, bucket_mib=mib) if rank == 0 else None
+        samples: list[float] = []
+        loop_samples: list[float] = []
+        buckets = direct = 0
+        for rep in range(-WARMUP, repeats):  # warm-up rounds fault in the buffers (the pool holds two)
+            lb = socket_round()
+            if rep >= 0:
+                loop_samples.append(lb)
+            version += 1
+            barrier()
+            t0 = time.perf_counter()
+            if sender is not None:
+                stats = sender.send(payload, version)
+                buckets, direct = stats.buckets, stats.direct_buckets
+            else:
+                v, got, stats = receiver.receive()
+                weights.swap(v, got)
+                buckets = stats.buckets
+            dt = time.perf_counter() - t0
+            if rep >= 0:
+                samples.append(dt)
+        key = f"{mode}:{mib}"
+        if rank == 0:
+            results["by_bucket"][key] = {"direct_buckets": direct}
+        else:
+            results["by_bucket"][key] = {"seconds": samples, "loopback_seconds": loop_samples, "buckets": buckets}
+            # Not a timing run if the bytes are wrong: spot-check the received state against the sender's seed.
+            expect = build_state(w)
+            _, got = weights.current()
+            bad = [k for k in expect if not torch.equal(expect[k], got[k])]
+            if bad:
+                raise RuntimeError(f"received state differs from the sent one in {len(bad)} tensors, e.g. {bad[0]}")
+            results["verified"] = True
+    conn.close()
+    barrier()
+    group.close()
+    return results
+
+
+def run(quick: bool = False, repeats: int | None = None, configs: list[Config] | None = None,
+        timeout_s: float = 600.0) -> dict[str, Any]:
+    w = QUICK if quick else FULL
+    repeats = repeats if repeats is not None else (3 if quick else 5)
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if configs is None:
+        configs = [("packed", DEFAULT_BUCKET_MIB), ("zero-copy", DEFAULT_BUCKET_MIB)]
+        if not quick:
+            configs += [("packed", 64), ("packed", 16), ("zero-copy", 64)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store_port, sock_port = _free_port(), _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, store_port, sock_port, w, configs, repeats, out), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    reports: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(reports) < 2:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"bench sync: no result within {timeout_s:.0f} s")
+            try:
+                rank, status, payload = out.get(timeout=min(remaining, 1.0))
+            except Exception:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"bench sync: worker exited with code {dead[0].exitcode}") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"bench sync: rank {rank} failed: {payload}")
+            reports[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    recv, send = reports[1], reports[0]
+    n = recv["bytes"]
+    rows = []
+    for mode, mib in configs:
+        # Each configuration is compared with the loopback rounds interleaved with its own rounds.
+        key = f"{mode}:{mib}"
+        secs, loop = recv["by_bucket"][key]["seconds"], recv["by_bucket"][key]["loopback_seconds"]
+        med, loop_s = statistics.median(secs), statistics.median(loop)
+        rows.append({"mode": mode, "bucket_mib": mib, "seconds": med, "gbps": n / med / 1e9, "loopback_seconds": loop_s,
+                     "loopback_gbps": n / loop_s / 1e9, "fraction_of_loopback": loop_s / med,
+                     "buckets": recv["by_bucket"][key]["buckets"],
+                     "direct_buckets": send["by_bucket"][key]["direct_buckets"], "samples": secs,
+                     "loopback_samples": loop})
+    head = rows[0]
+    loop_s = head["loopback_seconds"]
+    params = sum(_numel(s) for s in llama_shapes(w).values())
+    return {
+        "workload": w.name, "dtype": w.dtype, "parameters": params, "bytes": n,
+        "seconds": head["seconds"], "gbps": head["gbps"],
+        "loopback_seconds": loop_s, "loopback_gbps": n / loop_s / 1e9,
+        "fraction_of_loopback": head["fraction_of_loopback"],
+        "bucket_mib": head["bucket_mib"], "buckets": head["buckets"], "direct_buckets": head["direct_buckets"],
+        "repeats": repeats, "samples": head["samples"], "loopback_samples": head["loopback_samples"],
+        "mode": head["mode"], "configs": rows, "verified": bool(recv.get("verified")), "backend": "gloo",
+        "transport": "127.0.0.1 TCP",
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _print(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=(f"weight sync vs raw loopback TCP: {result['workload']}, {result['parameters'] / 1e6:.0f}M "
+                         f"params {result['dtype']} = {result['bytes'] / 2**20:.0f} MiB; median of "
+                         f"{result['repeats']}"))
+    for col in ("sender", "bucket MiB", "buckets", "unpacked", "TCP s", "TCP GB/s", "sync s", "sync GB/s",
+                "sync/TCP"):
+        table.add_column(col, justify="left" if col == "sender" else "right")
+    for row in result["configs"]:
+        table.add_row(row["mode"], str(row["bucket_mib"]), str(row["buckets"]), str(row["direct_buckets"]),
+                      f"{row['loopback_seconds']:.3f}", f"{row['loopback_gbps']:.2f}", f"{row['seconds']:.3f}",
+                      f"{row['gbps']:.2f}", f"{row['fraction_of_loopback']:.0%}")
+    console.print(table)
+    verdict = "meets" if result["fraction_of_loopback"] >= 0.7 else "MISSES"
+    console.print(f"spec default bucket ({result['bucket_mib']} MiB): sync at {result['fraction_of_loopback']:.0%} of "
+                  f"loopback TCP, {verdict} the 70% target; received bytes verified: {result['verified']}")
+
+
+def main(args: argparse.Namespace) -> int:
+    repeats = getattr(args, "repeats", None)
+    if repeats is not None and repeats < 1:
+        print(f"specrl bench sync: --repeats must be >= 1, got {repeats}", file=sys.stderr)
+        return 2
+    from rich.console import Console
+
+    with Console(stderr=True).status("measuring loopback TCP and weight sync between two processes..."):
+        try:
+            result = run(quick=bool(getattr(args, "quick", False)), repeats=repeats)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"specrl bench sync: {exc}", file=sys.stderr)
+            return 1
+    _print(result)
+    path = getattr(args, "json", None)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
