@@ -163,7 +163,7 @@ JOB_ROWS: list[Row] = [
               "Last completed RL step.",
               [Target(f"max by (namespace, job) (specrl_trainer_step{{{SEL}}})", "{{job}}")]),
         Panel("Drafter training",
-              "Drafter loss (left) and drafter optimizer steps per second on idle long-tail capacity.",
+              "Drafter loss and drafter optimizer steps per second (it trains on idle long-tail capacity).",
               [Target(f"avg by (namespace, job) (specrl_drafter_loss{{{SEL}}})", "loss {{job}}"),
                Target(rate("specrl_drafter_train_steps_total"), "steps/s {{job}}")],
               min=None),

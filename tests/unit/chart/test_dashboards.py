@@ -155,3 +155,11 @@ def test_known_set_is_not_trivially_wide() -> None:
     assert "specrl_operator_reconcile_duration_seconds_bucket" in KNOWN
     assert "specrl_operator_jobs" in KNOWN
     assert "specrl_rollout_generated_token_total" not in KNOWN
+
+
+def test_readme_describes_every_panel() -> None:
+    readme = (CHART / "README.md").read_text()
+    for name, board in BOARDS.items():
+        for panel in iter_panels(board["panels"]):
+            if panel["type"] != "row":
+                assert f"**{panel['title']}**" in readme, f"charts/specrl/README.md does not describe {panel['title']!r}"

@@ -1,0 +1,210 @@
+"""Every dashboard query against a real Prometheus scraping a real `specrl run` and a real `specrl operator`.
+
+* `promtool check rules` parses every panel, annotation and variable expression (wrapped as recording rules).
+* End to end: `specrl run examples/tiny-local.yaml` (local mode: the coordinator's /metrics re-exports every
+  worker's series) and `specrl operator` reconciling the same RLJob in the Kubernetes emulator, with its
+  coordinator URL pointed at the local run's coordinator, are scraped every second by Prometheus (Debian
+  package) with `honor_labels` as the chart's monitors set it. While the run lasts, every query is evaluated
+  with the dashboard variables set as Grafana would (first discovered value, and "All" = `.*`), and each must
+  return at least one series with a finite value at some point.
+
+Queries of events that a short healthy run does not produce (a completed rebalance) are listed in
+EVENT_ONLY: they must be valid and their metric family must be exported, and the report says whether they
+returned data.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chart_support import (
+    REPO,
+    Prometheus,
+    dashboard_queries,
+    load_dashboards,
+    metric_names,
+    run,
+    start_operator,
+    stop,
+    substitute,
+    tool,
+)
+
+pytestmark = pytest.mark.integration
+
+BOARDS = load_dashboards()
+# Counters that only move on a completed elastic move; nothing else makes them non-empty.
+EVENT_ONLY = {"specrl_operator_rebalance_total"}
+EVENT_ONLY_WHERE = {"job.json: annotation 'Rebalances'"}
+RUN_STEPS = 3
+
+
+def all_queries() -> list[tuple[str, str]]:
+    out = []
+    for name, board in BOARDS.items():
+        out += [(q.where, q.expr) for q in dashboard_queries(board, name)]
+        for var in board["templating"]["list"]:
+            if var["type"] == "query":
+                out.append((f"{name}: variable {var['name']}", var["query"]["query"]))
+    return out
+
+
+def test_every_expression_parses(tmp_path: Path) -> None:
+    rules = []
+    for i, (where, expr) in enumerate(all_queries()):
+        if expr.startswith("label_values("):
+            m = re.fullmatch(r"label_values\((.+), (\w+)\)", expr)
+            assert m, f"{where}: malformed label_values"
+            expr = m.group(1)
+        rules.append({"record": f"specrl:dashboard_query:{i}",
+                      "expr": substitute(expr, {"namespace": ".*", "job": ".*"})})
+    path = tmp_path / "queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    out = run([tool("promtool"), "check", "rules", str(path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in out.stdout
+
+
+class Tail:
+    """Collects a subprocess' output in a thread; `wait_for(pattern)` returns the first match."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        return "".join(self.lines)[-5000:]
+
+    def wait_for(self, pattern: str, proc: subprocess.Popen[str], timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            if proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} from specrl run within {timeout:.0f} s:\n{self.text()}")
+
+
+def scrape_labels(url: str) -> tuple[str, str]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        body = resp.read().decode()
+    m = re.search(r'^specrl_rollout_queue_depth\{([^}]*)\}', body, re.M)
+    assert m, f"{url} exports no specrl_rollout_queue_depth:\n{body[:2000]}"
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+    return labels["namespace"], labels["job"]
+
+
+@pytest.mark.slow
+def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
+    env = {**os.environ, "SPECRL_FORCE_PROGRESS": ""}
+    specrl = str(Path(sys.executable).parent / "specrl")
+    job_file = REPO / "examples" / "tiny-local.yaml"
+    run_proc = subprocess.Popen(
+        [specrl, "run", str(job_file), "--steps", str(RUN_STEPS), "--no-progress", "--out", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    tail = Tail(run_proc)
+    op = None
+    try:
+        coord = tail.wait_for(r"coordinator API (http://127\.0\.0\.1:(\d+))", run_proc, timeout=600)
+        coord_url, coord_port = coord.group(1), int(coord.group(2))
+        namespace, job = scrape_labels(f"{coord_url}/metrics")
+
+        # The operator reconciles the same RLJob in the emulator and polls the real coordinator.
+        kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+        op = start_operator(kubeconfig, tmp_path / "operator.log",
+                            f"--coordinator-url-template={coord_url}", "--poll-interval=1")
+        body = yaml.safe_load(job_file.read_text())
+        body["metadata"] = {"name": job, "namespace": namespace}
+        if namespace != "default":
+            kube.create("v1/namespaces", {"metadata": {"name": namespace}})
+        kube.create("specrl.io/v1alpha1/rljobs", body, namespace=namespace)
+
+        with Prometheus([f"127.0.0.1:{coord_port}", f"127.0.0.1:{op.metrics_port}"]) as prom:
+            prom.wait_for_scrapes(n=3, timeout=60)
+            results = observe(prom, run_proc, tail, after_exit=8.0)
+            metadata = prom.api("metadata")
+    finally:
+        if run_proc.poll() is None:
+            run_proc.terminate()
+            try:
+                run_proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                run_proc.kill()
+        if op is not None:
+            stop(op.proc)
+
+    report = "\n".join(f"  {'ok   ' if r['finite'] else 'EMPTY'} {r['where']}  (max {r['series']} series)"
+                       for r in results.values())
+    print("dashboard queries against the real run:\n" + report)
+    errors = [f"{r['where']}: {r['error']}" for r in results.values() if r["error"]]
+    assert not errors, "PromQL errors:\n" + "\n".join(errors)
+    empty = [r for r in results.values() if not r["finite"]
+             and not (metric_names(r["expr"]) & EVENT_ONLY or r["where"] in EVENT_ONLY_WHERE)]
+    assert not empty, (f"{len(empty)} dashboard queries never returned a finite value:\n{report}\n"
+                       f"run output:\n{tail.text()}")
+    # Event-only queries: their families must at least be exported (HELP/TYPE seen by Prometheus).
+    for name in EVENT_ONLY:
+        family = name.removesuffix("_total")
+        assert name in metadata or family in metadata, f"{name} is not exported by the operator"
+
+
+def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail, after_exit: float) -> dict[str, Any]:
+    """Evaluate every query every ~2 s until the run has ended (plus `after_exit` s); best result per query."""
+    results: dict[str, dict[str, Any]] = {}
+    ended: float | None = None
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        for name, board in BOARDS.items():
+            for variables in (discover(prom, board), {"namespace": ".*", "job": ".*"}):
+                for q in dashboard_queries(board, name):
+                    key = f"{q.where} [{'All' if variables['job'] == '.*' else 'selected'}]"
+                    expr = substitute(q.expr, variables)
+                    r = results.setdefault(key, {"where": key, "expr": expr, "series": 0, "finite": False,
+                                                 "error": ""})
+                    try:
+                        series = prom.query(expr)
+                    except Exception as exc:  # reported with the query, never raised mid-loop
+                        r["error"] = f"{type(exc).__name__}: {exc}"
+                        continue
+                    r["series"] = max(r["series"], len(series))
+                    if any(math.isfinite(float(s["value"][1])) for s in series):
+                        r["finite"] = True
+        if run_proc.poll() is not None:
+            ended = ended or time.monotonic()
+            if time.monotonic() - ended > after_exit:
+                break
+        time.sleep(2)
+    assert run_proc.poll() == 0, f"specrl run failed ({run_proc.returncode}):\n{tail.text()}"
+    return results
+
+
+def discover(prom: Prometheus, board: dict[str, Any]) -> dict[str, str]:
+    """The dashboard's variables as Grafana first sets them: its label_values() queries, first value each."""
+    values: dict[str, str] = {}
+    for var in board["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        m = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
+        assert m, var["query"]["query"]
+        found = prom.label_values(m.group(2), substitute(m.group(1), values))
+        values[var["name"]] = sorted(found)[0] if found else ".*"
+    return values
