@@ -314,3 +314,8 @@ def test_chart_crd_is_the_generated_one() -> None:
         assert a.read_bytes() == b.read_bytes(), f"{b} differs from {a}: run `specrl crd --write`"
     (crd,) = [yaml.safe_load(p.read_text()) for p in ours]
     assert crd["metadata"]["name"] == "rljobs.specrl.io"
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(crd, version, strict=True)
+    # Helm picks it up from crds/ (installed before the templates, never upgraded).
+    out = run([tool("helm"), "template", "specrl", str(CHART), "--include-crds", "-s", "crds/" + ours[0].name])
+    assert out.returncode == 0 and "kind: CustomResourceDefinition" in out.stdout, out.stderr
