@@ -780,6 +780,8 @@ def problems_from(error: ValidationError, *, source: str = "<input>", name: str 
             for field, message in err["ctx"]["problems"]:
                 problems.append(Problem(source, name, format_path([*loc, *field.split(".")] if field and
                                         "/" not in field else [*loc, field]), message))
+        elif loc == ["metadata"] and err["type"] == "missing":
+            problems.append(Problem(source, name, "metadata.name", "required field is missing"))
         else:
             problems.append(Problem(source, name, format_path(loc), _message(err)))
     return problems

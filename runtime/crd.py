@@ -185,6 +185,7 @@ def openapi_schema() -> dict[str, Any]:
     status["x-kubernetes-preserve-unknown-fields"] = True
     meta_name = api.ObjectMeta.model_fields["name"]
     metadata = {
+        "description": "Standard object metadata.",
         "type": "object",
         "properties": {"name": {"type": "string", "description": meta_name.description,
                                 "maxLength": api.MAX_NAME_LENGTH, "pattern": api.DNS1035_LABEL.pattern}},
