@@ -26,7 +26,6 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, TypeAdapter
-
 from specrl.runtime import api
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"

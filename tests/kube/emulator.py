@@ -40,12 +40,17 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
 import yaml
-from kmock._internal import apps, rendering
-from kmock._internal.k8s import KubernetesError, KubernetesObjectNotFoundError, KubernetesResourceNotFoundError
+from kmock._internal import apps, parsing, rendering
+from kmock._internal.k8s import (
+    KubernetesError,
+    KubernetesObjectNotFoundError,
+    KubernetesResourceNotFoundError,
+)
 
 from tests.kube.schema import AdmissionError, CRDSchema
 
@@ -77,8 +82,10 @@ BUILTINS: list[tuple[str, str, bool, tuple[str, ...], tuple[str, ...]]] = [
     ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False,
      ("crd", "crds"), ("status",)),
 ]
+IN_ALL = {"v1/pods", "v1/services", "apps/v1/deployments", "apps/v1/statefulsets", "apps/v1/replicasets"}
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public")
 TABLE_ACCEPT = re.compile(r"as=Table")
+_NAMESPACE_PATH = re.compile(r"^/api/v1/namespaces(?:/([^/]+))?(?:/(status|finalize))?/?$")
 
 
 def _now() -> str:
@@ -159,7 +166,7 @@ def label_selector(text: str | None) -> Callable[[dict[str, str]], bool]:
             key, value = (s.strip() for s in part.replace("==", "=").split("=", 1))
             tests.append(lambda lb, k=key, v=value: lb.get(k) == v)
         elif part.startswith("!"):
-            tests.append(lambda lb, k=part[1:].strip(): k not in lb)
+            tests.append(lambda lb, k=part[1:].strip(): k not in lb)  # noqa: B008 - bound per clause
         elif re.fullmatch(r"[A-Za-z0-9._/-]+", part):
             tests.append(lambda lb, k=part: k in lb)
         else:
@@ -280,12 +287,15 @@ class Emulator(kmock.KubernetesEmulator):
         self._log = collections.deque(maxlen=self.event_log_size)
         # Above KMock's own fallbacks (`** 1`), below every reaction a test declares.
         (self.fallback ** 1)["get", re.compile(r"^/api/v1/?$")] << self._serve_core_v1
+        (self.fallback ** 1)["get", re.compile(r"^/openapi/v3/?$")] << self._serve_openapi_root
+        (self.fallback ** 1)["get", re.compile(r"^/openapi/v3/apis/[^/]+/[^/]+/?$")] << self._serve_openapi_gv
         self.fallback[kmock.method.PUT] << self._serve_replace
         self.fallback[kmock.method.DELETE] << self._serve_delete
         for path, kind, namespaced, short, subs in BUILTINS:
             self.resources[path] = kmock.ResourceInfo(kind=kind, singular=kind.lower(), namespaced=namespaced,
                                                       verbs=set(VERBS), shortnames=set(short),
-                                                      subresources=set(subs))
+                                                      subresources=set(subs),
+                                                      categories={"all"} if path in IN_ALL else set())
         for ns in DEFAULT_NAMESPACES:
             self._store(kmock.resource("v1/namespaces"), None, ns, self._stamp({
                 "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns},
@@ -294,7 +304,45 @@ class Emulator(kmock.KubernetesEmulator):
     # --------------------------------------------------------------------------------------------------
     # Bypass KMock's own state handling: reactions first, then our fallbacks change the state.
     async def _handle(self, request: rendering.Request) -> Any:
+        if "protobuf" in request.headers.get("Content-Type", ""):
+            # client-go retries with JSON after a 415 (kubectl create/run send protobuf for built-in kinds).
+            raise _status(415, "UnsupportedMediaType", "the emulator speaks JSON only: use `kubectl apply -f` "
+                          "(`kubectl create <kind>` sends protobuf)")
         return await apps.RawHandler._handle(self, request)
+
+    # KMock parses /api/v1/namespaces[/<name>[/status]] as a namespace *scope* (and fails on the bare list
+    # path), so Namespace objects are addressed here before its parser sees them.
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        match = _NAMESPACE_PATH.match(raw_request.path)
+        if match is None:
+            return await super().__call__(raw_request)
+        body = await raw_request.read()
+        text = body.decode("utf-8", "replace")
+        try:
+            data = json.loads(text) if text.strip() else None
+        except ValueError:
+            data = None
+        name, sub = match.group(1), match.group(2)
+        method = kmock.method(raw_request.method)
+        query = dict(raw_request.query)
+        action = parsing.guess_k8s(parsing.ParsedPath("", "v1", "namespaces", None, name, sub), method, query)
+        request = rendering.Request(
+            id=len(self._requests), raw_request=raw_request, url=raw_request.url, method=raw_request.method,
+            params=query, headers=dict(raw_request.headers), cookies=dict(raw_request.cookies), data=data,
+            body=body, text=text, action=action, resource=kmock.resource("", "v1", "namespaces"), namespace=None,
+            name=name, subresource=sub)
+        self._requests.append(request)
+        try:
+            return await self._handle(request)
+        except rendering.StreamingError as exc:  # a watch that failed after its headers went out
+            raw_response = exc.args[0]
+            await self._stream_error(exc.__cause__ or exc, raw_response)
+            await raw_response.write_eof()
+            return raw_response
+        except Exception as exc:  # noqa: BLE001 - rendered as a Kubernetes Status, as KMock does
+            if self._errors:
+                self._errors[-1].append(exc)
+            return await self._render_error(exc)
 
     # e.g. /api/v1: KMock reports groupVersion "/v1" there.
     async def _serve_core_v1(self, request: rendering.Request) -> dict[str, Any]:
@@ -313,6 +361,43 @@ class Emulator(kmock.KubernetesEmulator):
                 entry["verbs"] = {"status": ["get", "patch", "update"], "scale": ["get", "patch", "update"],
                                   "log": ["get"], "eviction": ["create"]}.get(sub, ["get"])
         return body
+
+    # OpenAPI v3 for the custom resources, so `kubectl explain rljob.spec...` and client-side checks work.
+    def _openapi_docs(self) -> dict[str, dict[str, Any]]:
+        docs: dict[str, dict[str, Any]] = {}
+        for res, schema in self._schemas.items():
+            info = self.resources[res]
+            gv = f"apis/{res.group}/{res.version}"
+            prefix = ".".join(reversed(res.group.split("."))) + f".{res.version}"
+            doc = docs.setdefault(gv, {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.37.0"},
+                                       "paths": {}, "components": {"schemas": {}}})
+            gvk = [{"group": res.group, "version": res.version, "kind": info.kind}]
+            scope = "namespaces/{namespace}/" if info.namespaced else ""
+            ref = {"$ref": f"#/components/schemas/{prefix}.{info.kind}"}
+            doc["paths"][f"/{gv}/{scope}{res.plural}/{{name}}"] = {"get": {
+                "x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk[0],
+                "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": ref}}}}}}
+            doc["components"]["schemas"][f"{prefix}.{info.kind}"] = {
+                **copy.deepcopy(schema.schema), "x-kubernetes-group-version-kind": gvk}
+            doc["components"]["schemas"][f"{prefix}.{info.kind}List"] = {
+                "type": "object", "description": f"A list of {info.kind}.",
+                "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
+                               "metadata": {"type": "object"},
+                               "items": {"type": "array", "items": copy.deepcopy(schema.schema)}},
+                "x-kubernetes-group-version-kind": [{**gvk[0], "kind": f"{info.kind}List"}]}
+        return docs
+
+    async def _serve_openapi_root(self, request: rendering.Request) -> dict[str, Any]:
+        docs = self._openapi_docs()
+        return {"paths": {gv: {"serverRelativeURL": f"/openapi/v3/{gv}?hash={abs(hash(dumps(doc))):X}"}
+                          for gv, doc in docs.items()}}
+
+    async def _serve_openapi_gv(self, request: rendering.Request) -> dict[str, Any]:
+        gv = request.url.path.removeprefix("/openapi/v3/").strip("/")
+        docs = self._openapi_docs()
+        if gv not in docs:
+            raise KubernetesObjectNotFoundError()
+        return docs[gv]
 
     # --------------------------------------------------------------------------------------------------
     # Helpers
@@ -470,7 +555,7 @@ class Emulator(kmock.KubernetesEmulator):
                               {"name": name, "group": res.group, "kind": res.plural})
             if self._has_status_subresource(res) and res.plural != "pods":
                 obj.pop("status", None)  # status is only written through /status
-            obj, warnings = self._admit(res, obj, params)
+            obj, _warnings = self._admit(res, obj, params)
             self._defaults_for_kind(res, obj)
             self._stamp(obj)
             if params.get("dryRun") == "All":
@@ -554,6 +639,7 @@ class Emulator(kmock.KubernetesEmulator):
             meta["resourceVersion"] = old["metadata"]["resourceVersion"]
             new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
             new, _warnings = self._admit(res, new, params)
+            meta = new["metadata"]
             if new == old:
                 return old  # no-op: no new resourceVersion, no event
             if {k: v for k, v in new.items() if k not in ("metadata", "status")} != \

@@ -26,7 +26,7 @@ class Kubectl:
         self.binary = kubectl_binary()
 
     def __call__(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([self.binary, *args], env=self.env, cwd=self.cwd, input=input, text=True,
+        proc = subprocess.run([self.binary, *args], check=False, env=self.env, cwd=self.cwd, input=input, text=True,
                               capture_output=True, timeout=self.timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")

@@ -17,7 +17,6 @@ from typing import Any
 
 import celpy
 import jsonschema
-
 from specrl.runtime.crd import to_json_schema
 
 

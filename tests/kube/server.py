@@ -18,13 +18,13 @@ import collections
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import kmock
 import yaml
 from kmock._internal.k8s import KubernetesError
-
 from specrl.runtime.crd import build_crd
+
 from tests.kube.emulator import Emulator
 
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class KubeServer:
         self.port: int = 0
 
     # --------------------------------------------------------------------------------------------------
-    def start(self) -> KubeServer:
+    def start(self) -> Self:
         self._thread = threading.Thread(target=self._run, name="kube-emulator", daemon=True)
         self._thread.start()
         if not self._ready.wait(30):
@@ -94,12 +94,12 @@ class KubeServer:
             await self._stop.wait()
 
     def stop(self) -> None:
-        if self._loop is not None and self._stop is not None and self._thread is not None:
-            if self._thread.is_alive():
-                self._loop.call_soon_threadsafe(self._stop.set)
-                self._thread.join(15)
+        if self._loop is not None and self._stop is not None and self._thread is not None \
+                and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(15)
 
-    def __enter__(self) -> KubeServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -54,6 +54,13 @@ def test_kubectl_apply_stores_rljob_and_get_prints_columns(kube, kubectl):
     assert kube.get("specrl.io/v1alpha1/rljobs", "default", "tiny-local") is None
 
 
+def test_kubectl_explain_shows_the_crd_descriptions(kubectl):
+    out = kubectl("explain", "rljob.spec.speculative").stdout
+    assert "KIND:       RLJob" in out and "numSpeculativeTokens" in out and "draft_model" in out
+    out = kubectl("explain", "rlj.spec.resources.trainer.minReplicas").stdout
+    assert "Fewest pods elastic rebalancing may leave." in out
+
+
 def test_kubectl_apply_of_an_invalid_rljob_is_refused_by_the_crd_rules(kube, kubectl, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: bad}\n"

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from specrl.runtime import api
 from specrl.runtime.api import API_VERSION, JobValidationError, RLJob, parse_job
 from specrl.runtime.crd import build_crd
+
 from tests.kube.schema import AdmissionError, CRDSchema
 
 SAME = object()  # the CRD reports the same path as pydantic

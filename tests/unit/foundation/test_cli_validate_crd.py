@@ -13,7 +13,6 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-
 from specrl.runtime import crd as crdmod
 from specrl.runtime.api import load_yaml_documents
 from specrl.runtime.validate import main as validate_main
@@ -23,7 +22,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def _specrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "specrl.runtime.cli", *args], cwd=cwd, capture_output=True,
+    return subprocess.run(check=False, args=[sys.executable, "-m", "specrl.runtime.cli", *args], cwd=cwd, capture_output=True,
                           text=True, timeout=60)
 
 
@@ -200,7 +199,7 @@ def test_every_example_validates_against_the_crd_schema_and_bad_ones_do_not() ->
 
 def test_import_operator_from_repo_root_is_the_standard_library() -> None:
     code = "import operator, specrl.operator; print(operator.__file__); print(hasattr(operator, 'itemgetter'))"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    proc = subprocess.run(check=False, args=[sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     first, second = proc.stdout.splitlines()
@@ -210,7 +209,7 @@ def test_import_operator_from_repo_root_is_the_standard_library() -> None:
 def test_runtime_api_imports_no_torch_or_kubernetes() -> None:
     code = ("import sys, specrl.runtime.api, specrl.runtime.crd, specrl.runtime.validate; "
             "print(sorted(m for m in ('torch', 'kopf', 'kubernetes', 'ray') if m in sys.modules))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(check=False, args=[sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
