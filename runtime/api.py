@@ -58,6 +58,8 @@ DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 IMPORT_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[mkMGTPE]|n|u)?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# Bounds on strings, lists and maps: the API server refuses CRDs whose CEL rules have an unbounded estimated cost.
+MAX_REF, MAX_PATH, MAX_VALUE, MAX_ITEMS = 256, 4096, 32768, 64
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -171,12 +173,12 @@ class ModelSpec(_Strict):
          f"unknown builtin model; expected one of {', '.join(BUILTIN_MODELS)}", ".name"),
     ))
 
-    name: str = Field(default="builtin:tiny", min_length=1, description=(
+    name: str = Field(default="builtin:tiny", min_length=1, max_length=MAX_REF, description=(
         "Hugging Face model id (e.g. Qwen/Qwen3-8B), a local path in the image, or a model the project builds "
         f"itself: {', '.join(BUILTIN_MODELS)}."))
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description=(
         "Parameter dtype of the policy (and of the rollout copy)."))
-    revision: str | None = Field(default=None, description="Hub revision (branch, tag or commit); null = default.")
+    revision: str | None = Field(default=None, max_length=MAX_REF, description="Hub revision (branch, tag or commit); null = default.")
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -239,9 +241,9 @@ class DatasetSpec(_Strict):
     type: Literal["synthetic", "jsonl"] = Field(default="synthetic", description=(
         "synthetic: the built-in task; jsonl: one JSON object per line with prompt and answer fields."))
     synthetic: SyntheticDataset = Field(default_factory=SyntheticDataset, description="Settings of the synthetic task.")
-    path: str | None = Field(default=None, description="JSONL file (in the image or a mounted volume); type jsonl only.")
-    prompt_field: str = Field(default="prompt", min_length=1, description="JSONL key holding the prompt.")
-    answer_field: str = Field(default="answer", min_length=1, description="JSONL key holding the reference answer.")
+    path: str | None = Field(default=None, max_length=MAX_PATH, description="JSONL file (in the image or a mounted volume); type jsonl only.")
+    prompt_field: str = Field(default="prompt", min_length=1, max_length=MAX_REF, description="JSONL key holding the prompt.")
+    answer_field: str = Field(default="answer", min_length=1, max_length=MAX_REF, description="JSONL key holding the reference answer.")
 
     @model_validator(mode="after")
     def _check(self) -> DatasetSpec:
@@ -266,7 +268,7 @@ class RewardSpec(_Strict):
     type: Literal["exact_match", "function"] = Field(default="exact_match", description=(
         "exact_match: 1 when the final answer equals the reference, else 0; function: an importable Python "
         "callable (prompt, completion, answer) -> float."))
-    function: str | None = Field(default=None, pattern=IMPORT_REF.pattern, description=(
+    function: str | None = Field(default=None, pattern=IMPORT_REF.pattern, max_length=MAX_REF, description=(
         "`package.module:function`, importable in the image; type function only."))
 
     @model_validator(mode="after")
@@ -344,7 +346,7 @@ class SpeculativeSpec(_Strict):
             "none: plain decoding; draft_model: a small LM; ngram: prompt lookup; layer_skip: early exit of the "
             "policy; quantized_self: an int8 copy of the policy; eagle: a feature-level head (fresh when no "
             "draftModel); eagle3, mtp: vLLM backend only."))
-    draft_model: str | None = Field(default=None, min_length=1, description=(
+    draft_model: str | None = Field(default=None, min_length=1, max_length=MAX_REF, description=(
         "Drafter weights (HF id, local path or builtin:*-draft); required for draft_model and eagle3, optional for eagle."))
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description=(
         "Draft tokens per verification step (the starting value when adaptive.draftLength is on)."))
@@ -409,8 +411,8 @@ class Toleration(_Strict):
 class ResourceRequirements(_Strict):
     """Container resource requests and limits (quantities such as "4", "16Gi", "500m")."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict, description="Requests per resource name.")
-    limits: dict[str, Quantity] = Field(default_factory=dict, description="Limits per resource name.")
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Requests per resource name.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Limits per resource name.")
 
 
 class EnvVar(_Strict):
@@ -420,8 +422,8 @@ class EnvVar(_Strict):
         ("!self.name.startsWith('SPECRL_')", "SPECRL_* variables are set by the operator", ".name"),
     ))
 
-    name: str = Field(pattern=ENV_NAME.pattern, description="Variable name.")
-    value: str = Field(default="", description="Variable value.")
+    name: str = Field(pattern=ENV_NAME.pattern, min_length=1, max_length=MAX_REF, description="Variable name.")
+    value: str = Field(default="", max_length=MAX_VALUE, description="Variable value.")
 
 
 class PodTemplate(_Strict):
@@ -434,11 +436,11 @@ class PodTemplate(_Strict):
          "set spec.resources.gpusPerPod instead of nvidia.com/gpu", ".resources.limits"),
     ))
 
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations.")
+    node_selector: dict[str, str] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Node selector.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS, description="Tolerations.")
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
         "Extra requests/limits (GPUs come from gpusPerPod; do not set nvidia.com/gpu here)."))
-    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables (unique names).",
+    env: list[EnvVar] = Field(default_factory=list, max_length=MAX_ITEMS, description="Extra environment variables (unique names).",
                               json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
@@ -474,7 +476,7 @@ class ResourcesSpec(_Strict):
          "<= self.totalGPUs"), "minReplicas of both roles x gpusPerPod must fit in totalGPUs", ".totalGPUs"),
     ))
 
-    image: str = Field(default=DEFAULT_IMAGE, min_length=1, description="Container image of every pod of the job.")
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=MAX_REF, description="Container image of every pod of the job.")
     gpus_per_pod: int = Field(default=1, ge=0, le=16, description=(
         "GPUs per trainer/rollout pod (nvidia.com/gpu); 0 runs on CPU. The coordinator never takes a GPU."))
     total_gpus: int | None = Field(default=None, alias="totalGPUs", ge=0, description=(
@@ -549,7 +551,7 @@ class WeightSyncSpec(_Strict):
 class CheckpointSpec(_Strict):
     """Periodic checkpoints of policy, drafter and optimizer."""
 
-    path: str | None = Field(default=None, min_length=1, description=(
+    path: str | None = Field(default=None, min_length=1, max_length=MAX_PATH, description=(
         "Directory (a mounted volume); null = no checkpoints, a restarted job starts over."))
     interval: int = Field(default=10, ge=1, description="Checkpoint every N steps.")
     keep: int = Field(default=3, ge=1, description="Checkpoints kept (older ones are deleted).")
