@@ -321,6 +321,9 @@ def ensure_built(recipe: Recipe, *, root: Path | None = None, force: bool = Fals
     with _exclusive(final.parent / f"{final.name}.lock", waiting), _threads(threads):
         if is_complete(final) and not force:  # built by the process we waited for
             return final
+        # holding the lock, any temp folder of this model is debris of a build that was killed
+        for debris in final.parent.glob(f".{final.name}.tmp-*"):
+            shutil.rmtree(debris, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             _build_into(tmp, recipe, teacher_dir, progress, evaluate)

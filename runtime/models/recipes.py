@@ -110,14 +110,14 @@ BUILTIN_RECIPES: dict[str, Recipe] = {
             name="bench",
             description="engine benchmark target: ~27M params Llama, SFT on the task",
             hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
-            steps=400, batch_tokens=4096, lr=1e-3, warmup_steps=40,
+            steps=320, batch_tokens=2048, lr=2e-3, warmup_steps=30, bf16_autocast=True,
         ),
         Recipe(
             name="bench-draft",
             description="draft for bench: 2 narrow layers, distilled from bench's temperature-1 samples",
             hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
             steps=500, batch_tokens=4096, lr=3e-3, warmup_steps=30,
-            teacher="bench", teacher_samples=3000,
+            teacher="bench", teacher_samples=1500,
         ),
     )
 }

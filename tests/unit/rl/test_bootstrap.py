@@ -112,6 +112,8 @@ def test_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(bootstrap, "train", boom)
+    killed = tmp_path / f".{model_dir(recipe, tmp_path).name}.tmp-killed"  # left by a SIGKILLed build
+    killed.mkdir()
     with pytest.raises(RuntimeError, match="disk full"):
         ensure_built(recipe, root=tmp_path)
     assert not model_dir(recipe, tmp_path).exists()
@@ -125,3 +127,17 @@ def test_bad_model_references(tmp_path):
         resolve_model_path(tmp_path / "nothing-here")
     with pytest.raises(ValueError, match="not divisible"):
         Recipe(name="x", hidden_size=30, intermediate_size=8, num_layers=1, num_heads=4)
+
+
+def test_batched_left_padded_eval_matches_one_by_one(micro):
+    from specrl.runtime.models.evaluate import evaluate_accuracy, generate_responses
+    from specrl.runtime.rl.task import SyntheticTask
+
+    model, tok = load_policy(micro)
+    problems = list(SyntheticTask(6, {"easy": 1.0, "hard": 1.0}, seed=5))
+    batched = generate_responses(model, tok, problems, temperature=0.0, batch_size=6, max_new_tokens=20)
+    single = [generate_responses(model, tok, [p], temperature=0.0, batch_size=1, max_new_tokens=20)[0]
+              for p in problems]
+    assert batched == single
+    stats = evaluate_accuracy(model, tok, problems, temperature=1.0, seed=3, max_new_tokens=20)
+    assert set(stats["by_difficulty"]) <= {"easy", "hard"} and 0 <= stats["accuracy"] <= 1
