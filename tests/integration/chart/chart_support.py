@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from typing_extensions import Self
 
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "specrl"
@@ -270,7 +271,7 @@ class Prometheus:
     proc: subprocess.Popen[bytes] | None = None
     tmp: tempfile.TemporaryDirectory[str] | None = None
 
-    def __enter__(self) -> Prometheus:
+    def __enter__(self) -> Self:
         binary = tool("prometheus")
         self.tmp = tempfile.TemporaryDirectory(prefix="specrl-prom-")
         root = Path(self.tmp.name)
@@ -282,7 +283,7 @@ class Prometheus:
         (root / "prometheus.yml").write_text(yaml.safe_dump(config))
         check = run([tool("promtool"), "check", "config", str(root / "prometheus.yml")])
         assert check.returncode == 0, check.stdout + check.stderr
-        self.log = open(root / "prometheus.log", "wb")  # noqa: SIM115 (closed in __exit__)
+        self.log = open(root / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
             [binary, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
@@ -412,7 +413,7 @@ def evaluate_dashboards(prom: Prometheus, boards: Mapping[str, Mapping[str, Any]
             expr = substitute(q.expr, variables)
             try:
                 results.append(PanelResult(q.where, expr, len(prom.query(expr))))
-            except Exception as exc:  # a PromQL error is a result too: reported, never raised mid-loop
+            except Exception as exc:  # noqa: BLE001 - a PromQL error is a result too, reported with the query
                 results.append(PanelResult(q.where, expr, 0, f"{type(exc).__name__}: {exc}"))
     return results
 

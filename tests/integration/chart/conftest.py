@@ -14,13 +14,14 @@ sys.path.insert(0, str(HERE))
 if str(HERE.parents[2]) not in sys.path:
     sys.path.insert(0, str(HERE.parents[2]))
 
-from chart_support import REPO  # noqa: E402
+from chart_support import REPO
 
 
 @pytest.fixture
 def kube() -> Iterator[object]:
     """The foundation's Kubernetes emulator over HTTP, with the chart's copy of the RLJob CRD installed."""
     import yaml
+
     from tests.kube.server import KubeServer
 
     crds = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "charts/specrl/crds").glob("*.yaml"))]

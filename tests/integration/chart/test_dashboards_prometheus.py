@@ -107,7 +107,7 @@ class Tail:
 def scrape_labels(url: str) -> tuple[str, str]:
     with urllib.request.urlopen(url, timeout=5) as resp:
         body = resp.read().decode()
-    m = re.search(r'^specrl_rollout_queue_depth\{([^}]*)\}', body, re.M)
+    m = re.search(r'^specrl_rollout_queue_depth\{([^}]*)\}', body, re.MULTILINE)
     assert m, f"{url} exports no specrl_rollout_queue_depth:\n{body[:2000]}"
     labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
     return labels["namespace"], labels["job"]
@@ -182,7 +182,7 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail, after
                                                  "error": ""})
                     try:
                         series = prom.query(expr)
-                    except Exception as exc:  # reported with the query, never raised mid-loop
+                    except Exception as exc:  # noqa: BLE001 - reported with the query, never raised mid-loop
                         r["error"] = f"{type(exc).__name__}: {exc}"
                         continue
                     r["series"] = max(r["series"], len(series))
@@ -206,5 +206,5 @@ def discover(prom: Prometheus, board: dict[str, Any]) -> dict[str, str]:
         m = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
         assert m, var["query"]["query"]
         found = prom.label_values(m.group(2), substitute(m.group(1), values))
-        values[var["name"]] = sorted(found)[0] if found else ".*"
+        values[var["name"]] = min(found) if found else ".*"
     return values

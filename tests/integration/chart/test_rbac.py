@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 from chart_support import CI_VALUES, Grant, by_kind, grants, helm_template
-
 from specrl.operator.rbac import PEERING_RBAC_RULES, RBAC_RULES
 
 pytestmark = pytest.mark.integration

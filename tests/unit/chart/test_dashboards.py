@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 from chart_support import CHART, DASHBOARDS, dashboard_queries, iter_panels, load_dashboards, metric_names
-
 from specrl.operator import metrics as operator_metrics
 from specrl.runtime.metrics import METRIC_NAMES as RUNTIME_METRIC_NAMES
 
@@ -159,7 +158,7 @@ def test_known_set_is_not_trivially_wide() -> None:
 
 def test_readme_describes_every_panel() -> None:
     readme = (CHART / "README.md").read_text()
-    for name, board in BOARDS.items():
+    for board in BOARDS.values():
         for panel in iter_panels(board["panels"]):
             if panel["type"] != "row":
                 assert f"**{panel['title']}**" in readme, f"charts/specrl/README.md does not describe {panel['title']!r}"
