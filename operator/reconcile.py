@@ -88,6 +88,62 @@ class OperatorConfig:
     drain_poll: float = 1.0
 
 
+EXPECTATION_TTL = 60.0
+
+
+@dataclass
+class Expectations:
+    """Pods this operator created or deleted that kopf's index has not reported yet.
+
+    The index follows a watch stream, so right after a write it can lag by a few events; without this a
+    timer tick could re-create a pod it just created (a harmless 409, but a wasted request) or delete one
+    twice. The same idea as controller-runtime's ControllerExpectations, kept per job in memory only.
+    """
+
+    created: dict[str, float] = field(default_factory=dict)
+    deleted: dict[str, float] = field(default_factory=dict)
+
+    def apply(self, job: str, pods: dict[str, PodInfo], now: float) -> None:
+        for name, at in list(self.created.items()):
+            if name in pods or now - at > EXPECTATION_TTL:
+                del self.created[name]
+            elif name not in self.deleted:
+                parsed = children.parse_pod_name(job, name)
+                if parsed:
+                    pods[name] = PodInfo(name, parsed[0], parsed[1], "", "Pending", False)
+        for name, at in list(self.deleted.items()):
+            if name not in pods or now - at > EXPECTATION_TTL:
+                del self.deleted[name]
+            elif name not in self.created:
+                p = pods[name]
+                pods[name] = PodInfo(p.name, p.role, p.index, p.uid, p.phase, True, p.reason)
+
+
+class TrackingKube:
+    """The API client, noting every pod write in the job's :class:`Expectations`."""
+
+    def __init__(self, kube: KubeClient, exp: Expectations) -> None:
+        self._kube, self._exp = kube, exp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kube, name)
+
+    async def create(self, obj: Mapping[str, Any]) -> bool:
+        created = await self._kube.create(obj)
+        if obj["kind"] == "Pod":
+            name = obj["metadata"]["name"]
+            self._exp.deleted.pop(name, None)
+            self._exp.created[name] = time.monotonic()
+        return created
+
+    async def delete(self, kind: str, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
+        gone = await self._kube.delete(kind, namespace, name, grace_seconds)
+        if kind == "Pod":
+            self._exp.created.pop(name, None)
+            self._exp.deleted[name] = time.monotonic()
+        return gone
+
+
 @dataclass
 class Runtime:
     """Process-wide adapters and per-job memory (locks, hysteresis streaks) of the operator."""
@@ -99,6 +155,7 @@ class Runtime:
     clock: Callable[[], float] = time.time
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     streaks: dict[tuple[str, str], Streak] = field(default_factory=dict)
+    expectations: dict[tuple[str, str], Expectations] = field(default_factory=dict)
 
     def lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -106,6 +163,7 @@ class Runtime:
     def forget(self, key: tuple[str, str]) -> None:
         self.locks.pop(key, None)
         self.streaks.pop(key, None)
+        self.expectations.pop(key, None)
         self.coord.forget(*key)
 
 
@@ -225,8 +283,13 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], observed: Iterable[Pod
     owner = children.Owner.from_body(body)
     key = (owner.namespace, owner.name)
     async with rt.lock(key):
+        exp = rt.expectations.setdefault(key, Expectations())
+        pods = {p.name: p for p in observed}
+        exp.apply(owner.name, pods, time.monotonic())
+        local = copy.copy(rt)
+        local.kube = TrackingKube(rt.kube, exp)  # type: ignore[assignment]
         try:
-            return await _reconcile(rt, body, {p.name: p for p in observed}, trigger, owner, key)
+            return await _reconcile(local, body, pods, trigger, owner, key)
         finally:
             m.RECONCILE_SECONDS.labels(trigger).observe(time.perf_counter() - started)
 
