@@ -459,12 +459,13 @@ class Emulator(kmock.KubernetesEmulator):
             if w.resource == res and w.wants(obj):
                 w.queue.put_nowait(event)
 
-    def _admit(self, res: kmock.resource, obj: dict[str, Any], params: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
+    def _admit(self, res: kmock.resource, obj: dict[str, Any], params: dict[str, str],
+               old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
         schema = self._schemas.get(res)
         if schema is None:
             return obj, []
         try:
-            return schema.admit(obj, field_validation=params.get("fieldValidation", "Warn"))
+            return schema.admit(obj, field_validation=params.get("fieldValidation", "Warn"), old=old)
         except AdmissionError as exc:
             kind = self.info(res).kind
             name = obj.get("metadata", {}).get("name", "")
@@ -638,7 +639,7 @@ class Emulator(kmock.KubernetesEmulator):
             meta.pop("managedFields", None)
             meta["resourceVersion"] = old["metadata"]["resourceVersion"]
             new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
-            new, _warnings = self._admit(res, new, params)
+            new, _warnings = self._admit(res, new, params, old=old)
             meta = new["metadata"]
             if new == old:
                 return old  # no-op: no new resourceVersion, no event

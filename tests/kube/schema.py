@@ -12,6 +12,7 @@ the CRD tests. Only what the RLJob CRD uses is supported (no transition rules, n
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,25 @@ class AdmissionError(Exception):
     def __init__(self, causes: list[tuple[str, str]]):
         self.causes = causes
         super().__init__("; ".join(f"{f}: {m}" for f, m in causes))
+
+
+_MISSING = object()
+
+
+def value_at(obj: Any, path: str) -> Any:
+    """The value at a path like `spec.env[0].name` (a sentinel when absent)."""
+    cur = obj
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if part.startswith("["):
+            idx = int(part[1:-1])
+            if not isinstance(cur, list) or idx >= len(cur):
+                return _MISSING
+            cur = cur[idx]
+        elif isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        else:
+            return _MISSING
+    return cur
 
 
 def _join(path: str, key: Any) -> str:
@@ -61,8 +81,14 @@ class CRDSchema:
         self._env = celpy.Environment()
 
     # ---------------------------------------------------------------------------------------------------
-    def admit(self, obj: dict[str, Any], *, field_validation: str = "Strict") -> tuple[dict[str, Any], list[str]]:
-        """(the object as it would be stored, warnings); raises AdmissionError."""
+    def admit(self, obj: dict[str, Any], *, field_validation: str = "Strict", old: dict[str, Any] | None = None
+              ) -> tuple[dict[str, Any], list[str]]:
+        """(the object as it would be stored, warnings); raises AdmissionError.
+
+        With `old` (an update), violations at fields whose value did not change are tolerated, as the API server
+        does since validation ratcheting (1.30): an object stored under an older schema can still get status
+        writes and unrelated edits.
+        """
         obj = copy.deepcopy(obj)
         unknown: list[str] = []
         self._prune(self.schema, obj, "", unknown, top=True)
@@ -78,13 +104,21 @@ class CRDSchema:
             for key in err.absolute_path:
                 path = _join(path, key)
             causes.append((path or "<root>", err.message))
+        causes = self._ratchet(causes, obj, old)
         if not causes:
-            causes += self._check_list_maps(self.schema, obj, "")
+            causes += self._ratchet(self._check_list_maps(self.schema, obj, ""), obj, old)
         if not causes:
-            causes += self._check_cel(self.schema, obj, "")
+            causes += self._ratchet(self._check_cel(self.schema, obj, ""), obj, old)
         if causes:
             raise AdmissionError(causes)
         return obj, warnings
+
+    @staticmethod
+    def _ratchet(causes: list[tuple[str, str]], new: dict[str, Any], old: dict[str, Any] | None
+                 ) -> list[tuple[str, str]]:
+        if old is None:
+            return causes
+        return [c for c in causes if value_at(new, c[0]) != value_at(old, c[0])]
 
     # ---------------------------------------------------------------------------------------------------
     def _prune(self, schema: dict[str, Any], value: Any, path: str, unknown: list[str], top: bool = False) -> None:

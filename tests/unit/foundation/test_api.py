@@ -328,3 +328,15 @@ def test_models_and_crd_agree(spec: dict[str, Any]) -> None:
     except JobValidationError:
         model_ok = False
     assert model_ok == (not _crd_causes(doc)), (spec, _crd_causes(doc))
+
+
+def test_crd_admission_ratchets_unchanged_invalid_fields() -> None:
+    # An object stored before a rule existed keeps taking status writes; changing the bad field is refused.
+    bad = _doc({"mode": "async", "maxStaleness": 0})
+    assert _crd_causes(bad)
+    with_status = {**bad, "status": {"phase": "Failed"}}
+    _CRD.admit(with_status, old=bad)
+    changed = _doc({"mode": "async", "maxStaleness": 0, "suspend": True})
+    _CRD.admit(changed, old=bad)  # unrelated edit: tolerated
+    with pytest.raises(AdmissionError):
+        _CRD.admit(_doc({"mode": "async", "maxStaleness": 0, "algorithm": {"steps": 0}}), old=bad)
