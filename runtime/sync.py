@@ -7,15 +7,19 @@ Wire protocol of one sync (all broadcasts from rank 0, then one all-reduce):
 
 1. header   int64[8]  magic, protocol, weight version, metadata length, total bytes, bucket bytes, buckets, 0
 2. metadata uint8[n]  JSON: names, dtypes, shapes, byte offsets (64-byte aligned) of every tensor, in order
-3. buckets  uint8[b]  the flat byte space [0, total) cut into windows of `bucket_bytes`; one broadcast each
+3. buckets  uint8[b]  the flat byte space [0, total) cut into windows of at most `bucket_bytes` (listed in the
+                      metadata; a few small ones first); one broadcast each, received in place
 4. trailer  int64[4]  magic, COMMIT or ABORT, weight version, buckets sent
 5. ack      int64[1]  all-reduce(SUM) of 1 from every member: the sender returns only when all have the bytes
 
 Throughput: the receiver broadcasts straight into slices of one flat buffer (no receive-side copy; the
 tensors it returns are views into that buffer) and reuses a small pool of such buffers, so pages are not faulted
-in again on every sync. The sender sends a window that lies inside one contiguous tensor directly from the
-tensor's memory; only windows that straddle tensors are packed, into one of two staging buffers, while the
-previous window is still on the wire (double buffering with async work handles; up to `inflight` in flight).
+in again on every sync. On the sender, a trainer that called `flatten_modules_` once keeps its parameters as
+views of one buffer in sync layout: every bucket then leaves straight from parameter memory (zero copies;
+detected automatically). Otherwise a window inside one contiguous tensor is still sent from that tensor's
+memory, and only windows that straddle tensors are packed, into one of two staging buffers, while the previous
+window is on the wire (double buffering with async work handles; the first windows are small so the pipeline
+starts early). On loopback the packing copy costs as much CPU as the kernel's own copy, hence the flattening.
 
 Atomicity: `WeightReceiver.receive()` returns a *new* state (fresh views, a buffer the live state does not use)
 only after the COMMIT trailer arrived; anything else (ABORT trailer, a sender that died, a timeout, a header
@@ -32,9 +36,12 @@ Call sequence for the RL runtime (Ray actors; the coordinator drives every step)
 
     # every member, concurrently (construction blocks until all `len(members)` have joined):
     members = [f"{job}-trainer-0", f"{job}-rollout-0", f"{job}-rollout-1"]     # rank = position; [0] sends
-    group = SyncGroup.join(members, me, epoch=0)          # host/port from SPECRL_SYNC_MASTER_ADDR/_PORT
-    # trainer rank 0
-    sender = WeightSender(group, bucket_mib=spec_bucket_mib, metrics=runtime_metrics)
+    group = SyncGroup.join(members, me, epoch=0, backend=job.spec.weight_sync.backend)
+    #                                                      host/port: args or SPECRL_SYNC_MASTER_ADDR/_PORT
+    # trainer rank 0, once at start-up (parameters become views of one buffer; tied weights stay tied;
+    # the optimizer keeps working since the Parameter objects are the same):
+    flatten_modules_(policy=model, drafter=drafter)
+    sender = WeightSender(group, bucket_mib=job.spec.weight_sync.bucket_mib, metrics=runtime_metrics)
     stats = sender.send(merge_states(policy=model.state_dict(), drafter=drafter.state_dict()), version=v)
     # each rollout worker, at the same time as the send (coordinator: ray.get([trainer.send, *receivers]))
     receiver = WeightReceiver(group, metrics=runtime_metrics)
@@ -47,8 +54,9 @@ Call sequence for the RL runtime (Ray actors; the coordinator drives every step)
 
 In async mode a rollout worker runs `receive()` in a background thread while it keeps generating on the old
 weights and swaps at its next safe point (between engine steps); in sync mode the swap happens before the
-next step's rollouts start. The returned views stay valid until the `pool`-th next receive reuses the buffer:
-copy them (`load_state_dict` copies) or keep `pool` >= the number of states alive at once.
+next step's rollouts start. With the default `pool=2` the views of receive n stay valid until receive n+2
+starts (n+1 then holds the other buffer): copy them (`load_state_dict` copies), or raise `pool` when more
+states must stay alive at once.
 """
 
 from __future__ import annotations
@@ -774,15 +782,20 @@ class WeightReceiver:
 
 
 class VersionedWeights:
-    """The state a worker serves, with its weight version; swapped in one assignment under a lock."""
+    """The state a worker serves, with its weight version; swapped in one assignment under a lock.
 
-    def __init__(self, version: int = -1, state: Any = None) -> None:
+    `monotonic=True` rejects a version that is not newer than the installed one. It is off by default because
+    a trainer resumed from a checkpoint legitimately sends a version older than what the rollouts hold.
+    """
+
+    def __init__(self, version: int = -1, state: Any = None, monotonic: bool = False) -> None:
         self._lock = threading.Lock()
         self._current: tuple[int, Any] = (version, state)
+        self.monotonic = monotonic
 
     def swap(self, version: int, state: Any) -> None:
         with self._lock:
-            if version <= self._current[0]:
+            if self.monotonic and version <= self._current[0]:
                 raise SyncError(f"weight version must increase: have {self._current[0]}, got {version}")
             self._current = (version, state)
 
