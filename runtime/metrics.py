@@ -33,7 +33,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Literal
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 LABELS: tuple[str, ...] = ("job", "namespace", "role", "worker")
 

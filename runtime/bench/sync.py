@@ -23,6 +23,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -91,14 +92,13 @@ def _worker(rank: int, store_port: int, sock_port: int, workload: Workload, conf
             repeats: int, out: Any) -> None:
     try:
         out.put((rank, "ok", _run(rank, store_port, sock_port, workload, configs, repeats)))
-    except BaseException as exc:  # report, never hang the parent
+    except BaseException as exc:  # noqa: BLE001 -- any failure is reported to the parent, which must not hang
         out.put((rank, "error", f"{type(exc).__name__}: {exc}"))
 
 
 def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[Config],
          repeats: int) -> dict[str, Any]:
     import torch
-
     from specrl.runtime.sync import (
         SyncGroup,
         VersionedWeights,
@@ -235,7 +235,7 @@ def run(quick: bool = False, repeats: int | None = None, configs: list[Config] |
                 raise TimeoutError(f"bench sync: no result within {timeout_s:.0f} s")
             try:
                 rank, status, payload = out.get(timeout=min(remaining, 1.0))
-            except Exception:
+            except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"bench sync: worker exited with code {dead[0].exitcode}") from None

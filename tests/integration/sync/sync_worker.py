@@ -11,7 +11,6 @@ import os
 import sys
 
 import torch
-
 from specrl.runtime import sync
 from specrl.runtime.metrics import RuntimeMetrics
 from specrl.runtime.sync import (

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 def test_bench_sync_quick_writes_the_keys(tmp_path: Path) -> None:
     out = tmp_path / "sync.json"
     proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "bench", "sync", "--quick", "--repeats", "2",
-                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+                           "--json", str(out)], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     for key in ("bytes", "seconds", "gbps", "loopback_gbps", "fraction_of_loopback", "buckets", "bucket_mib",
@@ -30,5 +30,5 @@ def test_bench_sync_quick_writes_the_keys(tmp_path: Path) -> None:
 
 def test_bench_sync_rejects_bad_repeats() -> None:
     proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "bench", "sync", "--repeats", "0"],
-                          capture_output=True, text=True, timeout=60)
+                          check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--repeats must be >= 1" in proc.stderr and "Traceback" not in proc.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 
@@ -9,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from specrl.runtime.sync import (
     ALIGN,
     Layout,
@@ -63,9 +63,9 @@ def wire(named: dict[str, torch.Tensor], bucket_bytes: int) -> tuple[Layout, tor
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert list(got) == list(want)
-    for k in want:
-        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
-        assert torch.equal(got[k], want[k]), k
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype and got[k].shape == w.shape, k
+        assert torch.equal(got[k], w), k
 
 
 @pytest.mark.parametrize("bucket_bytes", [64, 100 * ALIGN, 1 << 20])
@@ -115,7 +115,7 @@ def test_windows_tile_the_space_with_a_short_ramp() -> None:
     mib = 1 << 20
     w = plan_windows(497 * mib, 256 * mib)
     assert [hi - lo for lo, hi in w][:5] == [16 * mib, 32 * mib, 64 * mib, 128 * mib, 256 * mib]
-    assert w[0][0] == 0 and w[-1][1] == 497 * mib and all(a[1] == b[0] for a, b in zip(w, w[1:]))
+    assert w[0][0] == 0 and w[-1][1] == 497 * mib and all(a[1] == b[0] for a, b in itertools.pairwise(w))
     assert len(plan_windows(10 * 1024 * mib, 256 * mib)) <= 10 * 4 + 4  # O(total / bucket), not per tensor
     assert plan_windows(0, 4096) == ()
     assert plan_windows(100, 64) == ((0, 64), (64, 100))

@@ -7,7 +7,6 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
-
 from specrl.runtime.metrics import FAMILY_NAMES, LABELS, METRIC_NAMES, METRICS, RuntimeMetrics, render
 
 DESIGN_METRICS = {
