@@ -139,8 +139,13 @@ class KubeServer:
 
     def create(self, resource: str | kmock.resource, obj: dict[str, Any], namespace: str | None = None
                ) -> dict[str, Any]:
+        """Create like `kubectl apply` would: a namespaced object without a namespace goes to `default`."""
         assert self.emulator is not None
-        return self.call(self.emulator.create(_resource(resource), namespace, obj))
+        res = _resource(resource)
+        if namespace is None and not (obj.get("metadata") or {}).get("namespace") and res in self.emulator.resources \
+                and self.emulator.resources[res].namespaced:
+            namespace = "default"
+        return self.call(self.emulator.create(res, namespace, obj))
 
     def get(self, resource: str | kmock.resource, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""

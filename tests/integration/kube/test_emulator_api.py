@@ -210,3 +210,16 @@ def test_server_side_table_for_kubectl_get(http):
     assert table["kind"] == "Table"
     assert [c["name"] for c in table["columnDefinitions"]][:3] == ["Name", "Phase", "Step"]
     assert table["rows"][0]["cells"][0] == "t"
+
+
+def test_stored_examples_parse_back_into_the_models(kube):
+    # What kopf hands the operator (server defaults, server metadata, kopf state in status) is a valid RLJob.
+    from specrl.runtime.api import load_jobs, parse_job
+
+    for path in ("examples/tiny-local.yaml", "examples/qwen3-8b-eagle3.yaml", "examples/async-quantized-self.yaml"):
+        (job,) = load_jobs(path)
+        stored = kube.create("specrl.io/v1alpha1/rljobs", job.to_dict())
+        stored["metadata"]["finalizers"] = ["kopf.zalando.org/KopfFinalizerMarker"]
+        stored["status"] = {"kopf": {"progress": {}}, "phase": "Running"}
+        again = parse_job(json.loads(json.dumps(stored)))
+        assert again.spec == job.spec  # the CRD defaults equal the model defaults
