@@ -629,6 +629,113 @@ def calibrate_from_timers(target: StepTimer, drafts: Mapping[str, Callable[[int]
     return CostModel(target_step=target_step, verify_step=verify, draft_step=draft)
 
 
+@dataclass
+class Calibration:
+    """What `calibrate` measured: the cost model plus per-proposer acceptance seen while measuring."""
+
+    cost_model: CostModel
+    alpha: dict[str, float]
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        cm = self.cost_model
+        return {
+            "seconds": round(self.seconds, 2),
+            "target_step_ms": {b: round(t * 1e3, 3) for b, t in sorted(cm.target_step.items())},
+            "v": {b: {g: round(cm.v(b, g), 3) for g in (2, 4, 6)} for b in sorted(cm.target_step)},
+            "r": {m: {b: round(cm.r(m, b), 3) for b in sorted(cm.target_step)} for m in cm.methods},
+            "overhead": {m: {b: round(cm.round_overhead(m, b), 3) for b in sorted(cm.target_step)}
+                         for m in cm.methods},
+            "alpha": {m: round(a, 3) for m, a in self.alpha.items()},
+        }
+
+
+def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[str] | None = None,
+              batch_sizes: Sequence[int] = DEFAULT_CALIBRATION_BATCH_SIZES, gammas: Sequence[int] = (2, 6),
+              steps: int = 10, rounds: int = 2, seed: int = 0,
+              progress: Callable[[str], None] | None = None) -> Calibration:
+    """Measure the cost model on this machine by running the engine itself, pinned to one decision at a time.
+
+    For every batch size b (prompts are cycled to fill it) the engine decodes with plain steps (-> the target
+    step cost t(b)) and with every proposer at every γ in `gammas` (-> the verify cost of γ+1 tokens from the
+    target part of the step, and the draft cost split into a per-token part r and a fixed per-round part from
+    the two γ). Only steps that ran at exactly batch b count; medians resist the machine's noise. The engine's
+    controller is restored afterwards; its stats keep the calibration steps (they are real decode steps).
+    """
+    from specrl.runtime.engine.sampling import SamplingParams
+
+    if len(gammas) < 1 or any(g < 1 for g in gammas):
+        raise ValueError(f"calibrate: gammas must be >= 1, got {list(gammas)}")
+    if not prompts:
+        raise ValueError("calibrate: needs at least one prompt")
+    methods = list(methods if methods is not None else getattr(engine, "proposers", {}))
+    sizes = sorted({min(b, engine.max_batch_size) for b in batch_sizes})
+    gammas = sorted(set(gammas))
+    saved = engine.controller
+    start = time.perf_counter()
+    target_step: dict[int, float] = {}
+    verify: dict[int, dict[int, list[float]]] = {}
+    draft_by: dict[str, dict[int, dict[int, float]]] = {m: {} for m in methods}
+    alphas: dict[str, list[tuple[float, int]]] = {m: [] for m in methods}
+
+    def run(b: int, decision: Decision, new_tokens: int) -> list[StepRecord]:
+        batch = [list(prompts[i % len(prompts)]) for i in range(b)]
+        fixed = FixedController(decision)
+        engine.controller = fixed
+        params = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed + i) for i in range(b)]
+        engine.generate(batch, params)
+        return [r for r in fixed.records if r.batch_size == b]
+
+    ar_samples: dict[int, list[float]] = {b: [] for b in sizes}
+    draft_samples: dict[str, dict[int, dict[int, list[float]]]] = {m: {} for m in methods}
+    try:
+        # Interleave (rounds × batch sizes × decisions) so a burst of load from other processes spreads over
+        # every measurement instead of skewing one of them.
+        for _ in range(max(rounds, 1)):
+            for b in sizes:
+                if progress:
+                    progress(f"calibrate: batch {b} AR")
+                ar_samples[b] += [r.seconds for r in run(b, AR, steps + 2)[1:]]  # step 1 warms caches
+                for m in methods:
+                    for g in gammas:
+                        if progress:
+                            progress(f"calibrate: batch {b} {m} γ={g}")
+                        recs = run(b, Decision(m, g), (g + 1) * max(2, steps // 3) + 2)
+                        verify.setdefault(b, {}).setdefault(g + 1, []).extend(r.target_seconds for r in recs)
+                        draft_samples[m].setdefault(b, {}).setdefault(g, []).extend(r.draft_seconds for r in recs)
+                        alphas[m] += [(a, r.batch_size) for r in recs
+                                      if (a := round_alpha_from_record(r)) is not None]
+        for b in sizes:
+            target_step[b] = statistics.median(ar_samples[b])
+            verify.setdefault(b, {})[1] = [target_step[b]]
+        for m, by_b in draft_samples.items():
+            for b, by_g in by_b.items():
+                for g, xs in by_g.items():
+                    if xs:
+                        draft_by[m].setdefault(b, {})[g] = statistics.median(xs)
+    finally:
+        engine.controller = saved
+
+    draft_step: dict[str, dict[int, float]] = {}
+    overhead: dict[str, dict[int, float]] = {}
+    for m, by_b in draft_by.items():
+        draft_step[m], overhead[m] = {}, {}
+        for b, by_g in by_b.items():
+            gs = sorted(by_g)
+            if len(gs) >= 2:  # draft(γ) = a + γ·c: c per draft token, a per round (e.g. a draft model's catch-up)
+                c = max((by_g[gs[-1]] - by_g[gs[0]]) / (gs[-1] - gs[0]), 0.0)
+                a = max(by_g[gs[0]] - c * gs[0], 0.0)
+            else:
+                c, a = by_g[gs[0]] / gs[0], 0.0
+            draft_step[m][b], overhead[m][b] = c, a
+    model = CostModel(target_step=target_step,
+                      verify_step={b: {k: statistics.median(v) for k, v in by_k.items() if v} for b, by_k in verify.items()},
+                      draft_step={m: d for m, d in draft_step.items() if d},
+                      overhead={m: o for m, o in overhead.items() if o})
+    alpha = {m: sum(a * w for a, w in obs) / sum(w for _, w in obs) for m, obs in alphas.items() if obs}
+    return Calibration(model, alpha, time.perf_counter() - start)
+
+
 def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> float:
     """Wall seconds of one call of `fn` (with a device sync before and after when given)."""
     if sync:

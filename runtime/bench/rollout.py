@@ -1,0 +1,651 @@
+"""`specrl bench rollout [--quick] [--json FILE] [--repeats N]`: the speculative rollout engine vs AR and HF.
+
+Workload (fixed, reproducible): the synthetic arithmetic task's prompts (`BENCH_SEED`), whose worked responses
+follow a long-tail length distribution (most sequences finish early, a few run long, as RL rollouts do);
+temperature 1.0, no top-k/top-p, stop at EOS, batch of 16 with continuous batching. Target `builtin:bench`
+(a ~27M-parameter Llama trained by the project's own script on the task), draft `builtin:bench-draft`
+(distilled from it). `--quick` swaps in tiny randomly initialised models and a few prompts: a smoke test that
+runs in seconds, not a measurement.
+
+Everything runs in one process, **interleaved** (repeat r runs every configuration once before repeat r+1),
+and medians are reported: the machine is shared, so absolute numbers are noisy and only side-by-side ratios
+mean something.
+
+Measured: per configuration tokens/s, mean acceptance length, target decode forwards per generated token,
+speedup vs the engine's own AR, wall time of the last 10% of sequences (the tail); the adaptive controller on
+the same workload; HF `generate` batched AR and HF assisted generation at batch 1; the engine at batch 1 (AR
+vs speculative); a memory-bandwidth probe and the batch-1 decode roofline; a per-batch-size sweep (each fixed
+configuration vs the adaptive controller); and the lossless checks' p-values (χ² goodness of fit of short
+sequences sampled through the engine against the target's exact distribution, for every proposer, plus greedy
+token equality against AR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
+from specrl.runtime.engine.adaptive import (
+    AR,
+    AdaptiveController,
+    AdaptiveSettings,
+    Calibration,
+    FixedController,
+    calibrate,
+    label,
+)
+from specrl.runtime.engine.control import Decision, StepRecord
+
+BENCH_SEED = 20260522
+TARGET = "builtin:bench"
+DRAFT = "builtin:bench-draft"
+BATCH = 16
+PROPOSERS = ("draft_model", "ngram", "layer_skip", "quantized_self", "eagle")
+# (name, method, gamma) of the fixed configurations on the long-tail workload
+FIXED_CONFIGS: tuple[tuple[str, str | None, int], ...] = (
+    ("ar", None, 0),
+    ("draft_model-g2", "draft_model", 2),
+    ("draft_model-g4", "draft_model", 4),
+    ("draft_model-g6", "draft_model", 6),
+    ("ngram-g4", "ngram", 4),
+    ("layer_skip-g4", "layer_skip", 4),
+    ("quantized_self-g4", "quantized_self", 4),
+    ("eagle-g4", "eagle", 4),
+)
+SWEEP_CONFIGS = ("ar", "draft_model-g2", "draft_model-g4", "draft_model-g6", "ngram-g4", "quantized_self-g4")
+TARGETS = {
+    "adaptive_vs_engine_ar": 2.0,
+    "engine_ar_vs_hf_batched_ar": 1.3,
+    "engine_sd_bs1_vs_hf_assisted": 2.0,
+    "roofline_fraction_bs1": 0.6,
+    "adaptive_vs_best_fixed_per_batch_size": 0.95,
+}
+
+
+@dataclass
+class Plan:
+    quick: bool
+    repeats: int
+    prompts: int
+    max_new_tokens: int
+    sweep_batch_sizes: tuple[int, ...]
+    sweep_tokens: int
+    bs1_prompts: int
+    hf_assisted_prompts: int
+    lossless_samples: int
+    calibration_batch_sizes: tuple[int, ...]
+    calibration_rounds: int
+
+    @classmethod
+    def make(cls, quick: bool, repeats: int | None) -> Plan:
+        if quick:
+            return cls(True, repeats or 1, 6, 12, (1, 3), 6, 1, 1, 500, (1, 3), 1)
+        return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 48, 6, 4, 4000, (1, 2, 4, 8, 16), 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# models and workload
+
+
+@dataclass
+class Models:
+    target: Any
+    draft: Any
+    eos_id: int
+    vocab_size: int
+    info: dict[str, Any]
+
+
+def _tiny_llama(vocab: int, hidden: int, layers: int, seed: int, heads: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                                        num_hidden_layers=layers, num_attention_heads=heads,
+                                        max_position_embeddings=512)).eval()
+
+
+def load_models(quick: bool, progress: Callable[[str], None]) -> Models:
+    from specrl.runtime.rl.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    if quick:
+        target = _tiny_llama(tok.vocab_size, 64, 2, seed=1)
+        draft = _tiny_llama(tok.vocab_size, 32, 1, seed=2)
+        info = {"name": "quick: random-init tiny Llama", "parameters": _params(target), "trained_steps": 0,
+                "draft_parameters": _params(draft), "draft_trained_steps": 0}
+        return Models(target, draft, tok.eos_id, tok.vocab_size, info)
+    from specrl.runtime.models.bootstrap import build_info, load_policy
+
+    progress(f"loading {TARGET} (built on first use)")
+    target, _ = load_policy(TARGET)
+    progress(f"loading {DRAFT} (built on first use)")
+    draft, _ = load_policy(DRAFT)
+    bt, bd = build_info(TARGET), build_info(DRAFT)
+    info = {"name": TARGET, "parameters": _params(target), "trained_steps": _steps(bt),
+            "draft": DRAFT, "draft_parameters": _params(draft), "draft_trained_steps": _steps(bd),
+            "build": {"target": bt, "draft": bd}}
+    return Models(target.eval(), draft.eval(), tok.eos_id, tok.vocab_size, info)
+
+
+def _params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _steps(info: dict[str, Any]) -> int | None:
+    for key in ("trained_steps", "steps", "train_steps"):
+        if isinstance(info.get(key), int):
+            return info[key]
+    return None
+
+
+def workload(n: int) -> list[list[int]]:
+    from specrl.runtime.rl.task import SyntheticTask, prompt_token_ids
+    from specrl.runtime.rl.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    return [prompt_token_ids(p, tok) for p in SyntheticTask(n, seed=BENCH_SEED)]
+
+
+def sampling(n: int, max_new_tokens: int, eos: int | None, offset: int = 0) -> list[SamplingParams]:
+    stops = [eos] if eos is not None else []
+    return [SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=stops,
+                           seed=BENCH_SEED + offset + i) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# engine runs
+
+
+class Timeline:
+    """Wraps a controller; timestamps completions so the tail (last 10% of sequences) can be timed."""
+
+    def __init__(self, inner: Any, engine: RolloutEngine) -> None:
+        self.inner = inner
+        self.engine = engine
+        self.marks: list[tuple[float, int]] = []
+
+    def decide(self, active_batch_size: int) -> Decision:
+        self.marks.append((time.perf_counter(), self.engine.stats.requests_completed))
+        return self.inner.decide(active_batch_size)
+
+    def observe(self, decision: Decision, record: StepRecord) -> None:
+        self.inner.observe(decision, record)
+
+
+@dataclass
+class RunResult:
+    tokens: int
+    seconds: float
+    acceptance_length: float | None
+    forwards_per_token: float
+    tail_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams]
+               ) -> RunResult:
+    engine.stats.reset()
+    timeline = Timeline(controller, engine)
+    engine.controller = timeline
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    end = time.perf_counter()
+    n = len(prompts)
+    cutoff = math.ceil(0.9 * n)
+    tail_start = next((t for t, done in timeline.marks if done >= cutoff), end)
+    s = engine.stats
+    decode_forwards = s.target_forwards - s.prefill_forwards
+    return RunResult(tokens=s.generated_tokens, seconds=end - start, acceptance_length=s.acceptance_length,
+                     forwards_per_token=decode_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start)
+
+
+def med(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HF baselines
+
+
+def hf_batched_ar(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: int, pad: int, batch: int,
+                  seed: int) -> tuple[int, float]:
+    """HF `generate` (sampling, T=1, no top-k) over fixed batches of `batch` left-padded prompts."""
+    tokens, seconds = 0, 0.0
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        torch.manual_seed(seed + i)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+        seconds += time.perf_counter() - start
+        tokens += _count_generated(out[:, width:], eos, pad)
+    return tokens, seconds
+
+
+def _count_generated(gen: torch.Tensor, eos: int, pad: int) -> int:
+    total = 0
+    for row in gen.tolist():
+        n = 0
+        for t in row:
+            n += 1
+            if t == eos:
+                break
+        total += n
+    return total
+
+
+def hf_assisted_bs1(model: Any, draft: Any, prompts: list[list[int]], max_new_tokens: int, eos: int, pad: int,
+                    seed: int) -> tuple[int, float]:
+    """HF assisted generation (speculative sampling with `draft`), batch 1 — the only size HF supports."""
+    tokens, seconds = 0, 0.0
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        torch.manual_seed(seed + i)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+        seconds += time.perf_counter() - start
+        tokens += _count_generated(out[:, len(p):], eos, pad)
+    return tokens, seconds
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# roofline
+
+
+def memory_bandwidth_gb_s(megabytes: int = 256, repeats: int = 7) -> float:
+    """Best read bandwidth of a large fp32 reduction (the access pattern of streaming weights once per token)."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best / 1e9
+
+
+def bytes_per_decode_token(model: torch.nn.Module) -> int:
+    """Weight bytes one batch-1 decode step must read: every matrix, except the input embedding (one row)."""
+    total = 0
+    embed = model.get_input_embeddings().weight
+    for p in model.parameters():
+        total += p.numel() * p.element_size() if p is not embed else embed.shape[1] * embed.element_size()
+    if getattr(model.config, "tie_word_embeddings", False):
+        total += embed.numel() * embed.element_size()  # the tied lm_head reads the whole matrix
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# lossless checks
+
+
+def lossless_checks(samples: int, proposers: Sequence[str], progress: Callable[[str], None],
+                    seed: int = 7, n_tokens: int = 3) -> dict[str, Any]:
+    """χ² of 3-token continuations sampled through the engine vs the target's exact joint distribution.
+
+    Small vocabulary (8) and a sharpened random target keep the 512-cell exact law cheap and the test sensitive;
+    the first token comes from the prefill, tokens 2–3 from speculative rounds. Cells with expected count < 5
+    are pooled. Bonferroni over proposers at family-wise level 0.01. Also: greedy SD == greedy AR.
+    """
+    from scipy.stats import chisquare
+
+    vocab = 8
+    target = _tiny_llama(vocab, 32, 2, seed=seed, heads=2)
+    draft = _tiny_llama(vocab, 32, 1, seed=seed + 1, heads=2)
+    with torch.no_grad():
+        for m in (target, draft):
+            m.lm_head.weight.mul_(6.0)  # peaked distributions (a near-uniform target would hide errors)
+    prefix = [1, 2, 3, 1, 2]
+    probs = _exact_joint(target, prefix, vocab, n_tokens)
+    p_values: dict[str, float] = {}
+    for method in ("none", *proposers):
+        progress(f"lossless: {method}")
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=3) if method != "none" else None
+        try:
+            engine = RolloutEngine(target, speculative=spec, draft_model=draft if method == "draft_model" else None,
+                                   max_batch_size=16, seed=seed)
+        except (ValueError, ImportError, AttributeError) as exc:
+            p_values[method] = float("nan")
+            progress(f"lossless: {method} skipped ({exc})")
+            continue
+        outs = engine.generate([prefix] * samples, sampling(samples, n_tokens, None, offset=seed * 1000))
+        counts = torch.zeros(vocab ** n_tokens)
+        for o in outs:
+            idx = 0
+            for t in o.token_ids[:n_tokens]:
+                idx = idx * vocab + t
+            counts[idx] += 1
+        expected = probs * samples
+        keep = expected >= 5
+        obs = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+        exp = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+        if exp[-1] < 1e-9:
+            obs, exp = obs[:-1], exp[:-1]
+        p_values[method] = float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+    greedy_equal = _greedy_equal(target, draft, proposers, vocab)
+    tested = [v for v in p_values.values() if not math.isnan(v)]
+    threshold = 0.01 / max(len(tested), 1)
+    return {"passed": len(tested) == len(p_values) and all(v > threshold for v in tested)
+            and all(greedy_equal.values()),
+            "p_values": p_values, "threshold": threshold, "samples": samples, "greedy_equal": greedy_equal,
+            "test": f"chi-square GOF of {n_tokens}-token continuations vs the exact target law (vocab 8), "
+                    "Bonferroni 0.01"}
+
+
+@torch.no_grad()
+def _exact_joint(model: Any, prefix: list[int], vocab: int, n: int) -> torch.Tensor:
+    probs = torch.ones(1, dtype=torch.float64)
+    frontier = [prefix]
+    for _ in range(n):
+        ids = torch.tensor(frontier)
+        logits = model(input_ids=ids).logits[:, -1].double()
+        step = torch.softmax(logits, dim=-1)  # [F, V]
+        probs = (probs.view(-1, 1) * step).reshape(-1)
+        frontier = [f + [t] for f in frontier for t in range(vocab)]
+    return probs
+
+
+def _greedy_equal(target: Any, draft: Any, proposers: Sequence[str], vocab: int) -> dict[str, bool]:
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 1, 2, 3, 4], [3]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    ar = RolloutEngine(target, max_batch_size=4).generate(prompts, params)
+    out: dict[str, bool] = {}
+    for method in proposers:
+        try:
+            engine = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3),
+                                   draft_model=draft if method == "draft_model" else None, max_batch_size=4)
+        except (ValueError, ImportError, AttributeError):
+            continue
+        sd = engine.generate(prompts, params)
+        out[method] = [o.token_ids for o in sd] == [o.token_ids for o in ar]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def build_engine(models: Models, progress: Callable[[str], None]) -> tuple[RolloutEngine, list[str], dict[str, str]]:
+    """One engine with every proposer that can be built (a controller switches between them per step)."""
+    available, skipped = [], {}
+    for m in PROPOSERS:
+        try:
+            RolloutEngine(models.target, SpeculativeConfig(method=m), draft_model=models.draft, max_batch_size=1,
+                          max_model_len=64)
+            available.append(m)
+        except (ValueError, ImportError, AttributeError, NotImplementedError) as exc:
+            skipped[m] = str(exc)
+            progress(f"proposer {m} unavailable: {exc}")
+    spec = SpeculativeConfig(method=available[0], extra_methods=tuple(available[1:]), max_speculative_tokens=8) \
+        if available else None
+    engine = RolloutEngine(models.target, speculative=spec, draft_model=models.draft, max_batch_size=BATCH,
+                           seed=BENCH_SEED)
+    return engine, available, skipped
+
+
+def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    models = load_models(plan.quick, progress)
+    engine, available, skipped = build_engine(models, progress)
+    prompts = workload(plan.prompts)
+    params = sampling(len(prompts), plan.max_new_tokens, models.eos_id)
+
+    progress("calibrating the cost model")
+    cal: Calibration = calibrate(engine, prompts, methods=available, batch_sizes=plan.calibration_batch_sizes,
+                                 rounds=plan.calibration_rounds, steps=3 if plan.quick else 10, progress=progress)
+    advance()
+    adaptive = AdaptiveController(available, cost_model=cal.cost_model, alpha_priors=cal.alpha,
+                                  settings=AdaptiveSettings(seed=BENCH_SEED))
+
+    configs = [c for c in FIXED_CONFIGS if c[1] is None or c[1] in available]
+    runs: dict[str, list[RunResult]] = {name: [] for name, _, _ in configs}
+    runs["adaptive"] = []
+    for r in range(plan.repeats):
+        for name, method, gamma in configs:
+            progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: {name}")
+            runs[name].append(run_engine(engine, FixedController(Decision(method, gamma)), prompts, params))
+            advance()
+        progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: adaptive")
+        runs["adaptive"].append(run_engine(engine, adaptive, prompts, params))
+        advance()
+
+    def summary(name: str) -> dict[str, Any]:
+        rs = runs[name]
+        return {"tokens_per_s": med([x.tokens_per_s for x in rs]),
+                "acceptance_length": med([x.acceptance_length for x in rs]),
+                "target_forwards_per_token": med([x.forwards_per_token for x in rs]),
+                "tail_seconds": med([x.tail_seconds for x in rs]),
+                "seconds": med([x.seconds for x in rs]), "tokens": med([x.tokens for x in rs]),
+                "runs_tokens_per_s": [round(x.tokens_per_s, 2) for x in rs]}
+
+    ar_tps = summary("ar")["tokens_per_s"] or 0.0
+    config_rows = []
+    for name, method, gamma in configs:
+        row = {"name": name, "method": method or "none", "gamma": gamma, "batch_size": BATCH, **summary(name)}
+        row["speedup_vs_ar"] = row["tokens_per_s"] / ar_tps if ar_tps else None
+        config_rows.append(row)
+    adaptive_summary = summary("adaptive")
+    adaptive_summary["speedup_vs_ar"] = adaptive_summary["tokens_per_s"] / ar_tps if ar_tps else None
+
+    # batch 1: engine AR vs speculative, HF AR, HF assisted
+    bs1_prompts = prompts[: plan.bs1_prompts]
+    bs1 = {"ar": [], "sd": [], "adaptive": [], "hf_ar": [], "hf_assisted": []}
+    sd_method = "draft_model" if "draft_model" in available else (available[0] if available else None)
+    sd_gamma = cal.cost_model.best_gamma(sd_method, 1, cal.alpha.get(sd_method, 0.6), range(1, 9))[0] \
+        if sd_method and sd_method in cal.cost_model.draft_step else 4
+    hf_prompts = prompts[: plan.hf_assisted_prompts]
+    hf_batched: list[tuple[int, float]] = []
+    pad = 0
+    for r in range(plan.repeats):
+        progress(f"batch 1, repeat {r + 1}/{plan.repeats}")
+        for key, ctrl in (("ar", FixedController(AR)), ("sd", FixedController(Decision(sd_method, sd_gamma)))
+                          if sd_method else ("sd", FixedController(AR)), ("adaptive", adaptive)):
+            tok, sec = 0, 0.0
+            for i, p in enumerate(bs1_prompts):
+                res = run_engine(engine, ctrl, [p], sampling(1, plan.max_new_tokens, models.eos_id, offset=i))
+                tok, sec = tok + res.tokens, sec + res.seconds
+            bs1[key].append(tok / sec)
+        tok, sec = hf_batched_ar(models.target, prompts, plan.max_new_tokens, models.eos_id, pad, BATCH, BENCH_SEED)
+        hf_batched.append((tok, sec))
+        tok, sec = hf_batched_ar(models.target, hf_prompts, plan.max_new_tokens, models.eos_id, pad, 1, BENCH_SEED)
+        bs1["hf_ar"].append(tok / sec)
+        tok, sec = hf_assisted_bs1(models.target, models.draft, hf_prompts, plan.max_new_tokens, models.eos_id, pad,
+                                   BENCH_SEED)
+        bs1["hf_assisted"].append(tok / sec)
+        advance()
+
+    bandwidth = max(memory_bandwidth_gb_s(64 if plan.quick else 256) for _ in range(2))
+    bpt = bytes_per_decode_token(models.target)
+    roofline_tps = bandwidth * 1e9 / bpt
+    engine_ar_bs1 = med(bs1["ar"]) or 0.0
+
+    sweep = run_sweep(plan, engine, models, available, adaptive, cal, progress, advance)
+
+    lossless = lossless_checks(plan.lossless_samples, available, progress, n_tokens=2 if plan.quick else 3)
+    advance()
+
+    hf_ar_tps = med([t / s for t, s in hf_batched]) or 0.0
+    result: dict[str, Any] = {
+        "quick": plan.quick,
+        "repeats": plan.repeats,
+        "note": ("Medians of interleaved repeats in one process on a shared machine: absolute numbers are noisy; "
+                 "compare ratios."),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "platform": platform.platform()},
+        "model": models.info,
+        "workload": {"prompts": len(prompts), "batch_size": BATCH, "temperature": 1.0,
+                     "max_new_tokens": plan.max_new_tokens, "seed": BENCH_SEED,
+                     "response_tokens": summary("ar")["tokens"]},
+        "proposers": {"available": available, "skipped": skipped},
+        "calibration": cal.summary(),
+        "configs": config_rows,
+        "adaptive": {**adaptive_summary, "controller": adaptive.stats()},
+        "engine_bs1": {"ar_tokens_per_s": engine_ar_bs1, "sd_tokens_per_s": med(bs1["sd"]),
+                       "sd_method": sd_method, "sd_gamma": sd_gamma,
+                       "adaptive_tokens_per_s": med(bs1["adaptive"]),
+                       "prompts": len(bs1_prompts)},
+        "hf": {"ar_batched_tokens_per_s": hf_ar_tps, "ar_bs1_tokens_per_s": med(bs1["hf_ar"]),
+               "assisted_bs1_tokens_per_s": med(bs1["hf_assisted"]), "assisted_prompts": len(hf_prompts)},
+        "roofline": {"bandwidth_gb_s": bandwidth, "bytes_per_token": bpt, "tokens_per_s": roofline_tps},
+        "roofline_fraction_bs1": engine_ar_bs1 / roofline_tps if roofline_tps else None,
+        "sweep": sweep,
+        "lossless": lossless,
+    }
+    result["targets"] = targets(result)
+    result["seconds"] = time.perf_counter() - t_start
+    return result
+
+
+def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list[str],
+              adaptive: AdaptiveController, cal: Calibration, progress: Callable[[str], None],
+              advance: Callable[[], None]) -> list[dict[str, Any]]:
+    """Per batch size b: b prompts decode `sweep_tokens` tokens each (EOS ignored, so the batch stays at b)."""
+    base = workload(max(plan.sweep_batch_sizes))
+    fixed = {name: (m, g) for name, m, g in FIXED_CONFIGS if name in SWEEP_CONFIGS and (m is None or m in available)}
+    rows = []
+    samples: dict[int, dict[str, list[float]]] = {b: {n: [] for n in [*fixed, "adaptive"]}
+                                                 for b in plan.sweep_batch_sizes}
+    for r in range(plan.repeats):
+        for b in plan.sweep_batch_sizes:
+            prompts = base[:b]
+            params = sampling(b, plan.sweep_tokens, None, offset=10_000 + 100 * r)
+            for name, (m, g) in fixed.items():
+                progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} {name}")
+                samples[b][name].append(run_engine(engine, FixedController(Decision(m, g)), prompts, params)
+                                        .tokens_per_s)
+            progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} adaptive")
+            samples[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params).tokens_per_s)
+        advance()
+    for b in plan.sweep_batch_sizes:
+        tps = {n: med(v) for n, v in samples[b].items()}
+        best = max((n for n in fixed), key=lambda n: tps[n] or 0.0)
+        rows.append({"batch_size": b, "tokens_per_s": tps, "best_fixed": best,
+                     "adaptive_vs_best": (tps["adaptive"] or 0.0) / tps[best] if tps[best] else None,
+                     "model_choice": label(_model_choice(cal, adaptive, b))})
+    return rows
+
+
+def _model_choice(cal: Calibration, adaptive: AdaptiveController, b: int) -> Decision:
+    return adaptive._model_decision(b)
+
+
+def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    ar = next((c["tokens_per_s"] for c in result["configs"] if c["name"] == "ar"), None)
+    values = {
+        "adaptive_vs_engine_ar": ratio(result["adaptive"]["tokens_per_s"], ar),
+        "engine_ar_vs_hf_batched_ar": ratio(ar, result["hf"]["ar_batched_tokens_per_s"]),
+        "engine_sd_bs1_vs_hf_assisted": ratio(result["engine_bs1"]["sd_tokens_per_s"],
+                                              result["hf"]["assisted_bs1_tokens_per_s"]),
+        "roofline_fraction_bs1": result["roofline_fraction_bs1"],
+        "adaptive_vs_best_fixed_per_batch_size": min((row["adaptive_vs_best"] or 0.0 for row in result["sweep"]),
+                                                     default=None),
+    }
+    return {k: {"value": v, "target": TARGETS[k], "met": v is not None and v >= TARGETS[k]}
+            for k, v in values.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"specrl bench rollout — {result['model']['name']} "
+                    f"({result['model']['parameters'] / 1e6:.1f}M params), batch {BATCH}, T=1.0, "
+                    f"medians of {result['repeats']}")
+    for col in ("config", "tokens/s", "speedup vs AR", "accept len", "fwd/token", "tail s"):
+        t.add_column(col, justify="right" if col != "config" else "left")
+
+    def fmt(x: float | None, nd: int = 2) -> str:
+        return "-" if x is None else f"{x:.{nd}f}"
+
+    for c in [*result["configs"], {"name": "adaptive", **result["adaptive"]}]:
+        t.add_row(c["name"], fmt(c["tokens_per_s"], 1), fmt(c["speedup_vs_ar"]), fmt(c["acceptance_length"]),
+                  fmt(c["target_forwards_per_token"]), fmt(c["tail_seconds"]))
+    return t
+
+
+def _targets_table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="targets")
+    for col in ("target", "measured", "goal", "met"):
+        t.add_column(col)
+    for k, v in result["targets"].items():
+        value = "-" if v["value"] is None else f"{v['value']:.2f}"
+        t.add_row(k, value, f">= {v['target']}", "yes" if v["met"] else "NO")
+    return t
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    repeats = getattr(args, "repeats", None)
+    if repeats is not None and repeats < 1:
+        print("specrl bench rollout: --repeats must be >= 1", file=sys.stderr)
+        return 2
+    plan = Plan.make(bool(getattr(args, "quick", False)), repeats)
+    console = Console(stderr=True)
+    n_configs = len(FIXED_CONFIGS) + 1
+    total = 1 + plan.repeats * n_configs + plan.repeats + plan.repeats + 1
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("starting", total=total)
+        result = run(plan, lambda msg: bar.update(task, description=msg), lambda: bar.advance(task))
+    out = Console()
+    out.print(_table(result))
+    out.print(f"engine bs1: AR {result['engine_bs1']['ar_tokens_per_s']:.1f} tok/s, "
+              f"SD ({result['engine_bs1']['sd_method']} γ={result['engine_bs1']['sd_gamma']}) "
+              f"{(result['engine_bs1']['sd_tokens_per_s'] or 0):.1f} tok/s; HF batched AR "
+              f"{result['hf']['ar_batched_tokens_per_s']:.1f}, HF assisted bs1 "
+              f"{(result['hf']['assisted_bs1_tokens_per_s'] or 0):.1f} tok/s; roofline bs1 "
+              f"{result['roofline']['tokens_per_s']:.0f} tok/s ({result['roofline']['bandwidth_gb_s']:.1f} GB/s)")
+    for row in result["sweep"]:
+        out.print(f"sweep b={row['batch_size']}: best fixed {row['best_fixed']} "
+                  f"{row['tokens_per_s'][row['best_fixed']]:.1f} tok/s, adaptive "
+                  f"{(row['tokens_per_s']['adaptive'] or 0):.1f} ({(row['adaptive_vs_best'] or 0):.2f}×)")
+    out.print(f"lossless: {'passed' if result['lossless']['passed'] else 'FAILED'} "
+              f"p-values {', '.join(f'{k}={v:.3g}' for k, v in result['lossless']['p_values'].items())}")
+    out.print(_targets_table(result))
+    out.print(f"[dim]{result['note']}[/dim]")
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(result, indent=2, default=_json_default))
+        out.print(f"wrote {args.json}")
+    return 0 if result["lossless"]["passed"] else 1
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    return str(obj)

@@ -1,0 +1,45 @@
+"""`specrl bench rollout --quick --json` runs end to end and writes every key other tools read."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from specrl.runtime.cli import main
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "rollout", "--quick", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    for key in ("configs", "adaptive", "engine_bs1", "hf", "roofline_fraction_bs1", "lossless", "model", "sweep",
+                "calibration", "targets"):
+        assert key in r, key
+    names = {c["name"] for c in r["configs"]}
+    assert {"ar", "draft_model-g2", "draft_model-g4", "draft_model-g6", "ngram-g4", "layer_skip-g4",
+            "quantized_self-g4"} <= names
+    for c in r["configs"]:
+        assert {"name", "method", "batch_size", "tokens_per_s", "acceptance_length", "speedup_vs_ar"} <= set(c)
+        assert c["tokens_per_s"] > 0 and c["batch_size"] == 16
+        assert c["target_forwards_per_token"] > 0 and c["tail_seconds"] >= 0
+    ar = next(c for c in r["configs"] if c["name"] == "ar")
+    assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["acceptance_length"] is None
+    sd = next(c for c in r["configs"] if c["name"] == "draft_model-g4")
+    assert 1.0 <= sd["acceptance_length"] <= 5.0
+    assert sd["target_forwards_per_token"] < ar["target_forwards_per_token"] + 1e-9 or sd["acceptance_length"] < 1.5
+    assert r["adaptive"]["tokens_per_s"] > 0 and r["adaptive"]["speedup_vs_ar"] > 0
+    assert r["adaptive"]["controller"]["steps"] > 0
+    assert r["engine_bs1"]["ar_tokens_per_s"] > 0 and r["engine_bs1"]["sd_tokens_per_s"] > 0
+    assert r["hf"]["ar_batched_tokens_per_s"] > 0 and r["hf"]["assisted_bs1_tokens_per_s"] > 0
+    assert 0 < r["roofline_fraction_bs1"] < 1.5
+    assert r["model"]["parameters"] > 0 and r["model"]["trained_steps"] == 0  # quick: random-init
+    assert r["lossless"]["passed"] is True
+    assert all(0.0 <= p <= 1.0 and not math.isnan(p) for p in r["lossless"]["p_values"].values())
+    assert {row["batch_size"] for row in r["sweep"]} == {1, 3}
+    for row in r["sweep"]:
+        assert row["best_fixed"] in row["tokens_per_s"] and row["adaptive_vs_best"] > 0
