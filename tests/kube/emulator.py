@@ -830,7 +830,11 @@ class Emulator(kmock.KubernetesEmulator):
         return await self.delete(request.resource, request.namespace, request.name, propagation=propagation,
                                  params=dict(request.params))
 
-    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+    async def _serve_watch(self, request: rendering.Request) -> rendering.Response:
+        # kubectl decodes the stream by its content type (KMock's default is application/octet-stream).
+        return rendering.Response(headers={"Content-Type": "application/json"}, payload=self._watch_stream(request))
+
+    async def _watch_stream(self, request: rendering.Request) -> AsyncIterator[Any]:
         yield b""  # send the headers now: the client waits for them before it reads events
         res = request.resource
         self.info(res)

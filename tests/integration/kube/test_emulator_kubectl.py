@@ -99,3 +99,20 @@ def test_kopf_operator_runs_against_the_emulator(kube, kubectl, kube_env, tmp_pa
             proc.kill()
         log.close()
         print((tmp_path / "kopf.log").read_text()[-4000:])
+
+
+def test_kubectl_get_watch_streams_status_changes(kube, kubectl, kube_env):
+    kubectl("--validate=false", "apply", "-f", "examples/tiny-local.yaml")
+    watch = subprocess.Popen([kubectl.binary, "get", "rlj", "-w"], env=kube_env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: len(kube.request_counts()) and any(m == "WATCH" for m, _p in kube.request_counts()), 10,
+              "kubectl to start watching")
+        kube.patch("specrl.io/v1alpha1/rljobs", "default", "tiny-local", {"status": {"phase": "Running", "step": 2}},
+                   subresource="status")
+        time.sleep(0.5)
+    finally:
+        watch.terminate()
+        out, err = watch.communicate(10)
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert ["tiny-local", "Running", "2"] == rows[-1][:3], (out, err)
