@@ -24,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import statistics
 import sys
@@ -136,8 +137,14 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
         conn = socket.create_connection(("127.0.0.1", sock_port))
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def socket_round() -> float:
+    def cpu_seconds() -> float:
+        # this process, all threads (gloo's included), user + kernel: what a transfer costs in CPU
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    def socket_round() -> tuple[float, float]:
         barrier()
+        c0 = cpu_seconds()
         t0 = time.perf_counter()
         if rank == 0:
             conn.sendall(mv)
@@ -145,12 +152,13 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
         else:
             got = 0
             while got < n:
-                r = conn.recv_into(mv[got:])
+                # MSG_WAITALL: the kernel fills the rest of the buffer in one call (fewest syscalls and wake-ups)
+                r = conn.recv_into(mv[got:], n - got, socket.MSG_WAITALL)
                 if r == 0:
                     raise ConnectionError("loopback peer closed early")
                 got += r
             conn.sendall(b"k")
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, cpu_seconds() - c0
 
     results: dict[str, Any] = {"bytes": n, "by_bucket": {}}
     version = 0
@@ -167,12 +175,16 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
         samples: list[float] = []
         loop_samples: list[float] = []
         buckets = direct = 0
+        cpu_loop: list[float] = []
+        cpu_sync: list[float] = []
         for rep in range(-WARMUP, repeats):  # warm-up rounds fault in the buffers (the pool holds two)
-            lb = socket_round()
+            lb, lb_cpu = socket_round()
             if rep >= 0:
                 loop_samples.append(lb)
+                cpu_loop.append(lb_cpu)
             version += 1
             barrier()
+            c0 = cpu_seconds()
             t0 = time.perf_counter()
             if sender is not None:
                 stats = sender.send(payload, version)
@@ -184,11 +196,14 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
             dt = time.perf_counter() - t0
             if rep >= 0:
                 samples.append(dt)
+                cpu_sync.append(cpu_seconds() - c0)
         key = f"{mode}:{mib}"
+        cpu = {"cpu_loopback": statistics.median(cpu_loop) / (n / 1e9), "cpu_sync": statistics.median(cpu_sync) / (n / 1e9)}
         if rank == 0:
-            results["by_bucket"][key] = {"direct_buckets": direct}
+            results["by_bucket"][key] = {"direct_buckets": direct, **cpu}
         else:
-            results["by_bucket"][key] = {"seconds": samples, "loopback_seconds": loop_samples, "buckets": buckets}
+            results["by_bucket"][key] = {"seconds": samples, "loopback_seconds": loop_samples, "buckets": buckets,
+                                         **cpu}
             # Not a timing run if the bytes are wrong: every configuration must deliver the same state.
             _, got = weights.current()
             if reference is None:
@@ -262,6 +277,11 @@ def run(quick: bool = False, repeats: int | None = None, configs: list[Config] |
                      "paired_fraction_median": statistics.median(a / b for a, b in zip(loop, secs)),
                      "buckets": recv["by_bucket"][key]["buckets"],
                      "direct_buckets": send["by_bucket"][key]["direct_buckets"], "samples": secs,
+                     # CPU seconds per GB moved (all threads, user + kernel): load-independent efficiency
+                     "cpu_s_per_gb": {"loopback_sender": send["by_bucket"][key]["cpu_loopback"],
+                                      "loopback_receiver": recv["by_bucket"][key]["cpu_loopback"],
+                                      "sync_sender": send["by_bucket"][key]["cpu_sync"],
+                                      "sync_receiver": recv["by_bucket"][key]["cpu_sync"]},
                      "loopback_samples": loop})
     head = rows[0]
     loop_s = head["loopback_seconds"]
@@ -294,17 +314,20 @@ def _print(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 140)
     table = Table(title=(f"weight sync vs raw loopback TCP: {result['workload']}, {result['parameters'] / 1e6:.0f}M "
                          f"params {result['dtype']} = {result['bytes'] / 2**20:.0f} MiB; median of "
                          f"{result['repeats']}"))
     for col in ("sender", "bucket MiB", "buckets", "direct", "TCP s", "TCP GB/s", "sync s", "sync GB/s",
-                "sync/TCP"):
+                "sync/TCP", "CPU s/GB TCP", "CPU s/GB sync"):
         table.add_column(col, justify="left" if col == "sender" else "right")
     for row in result["configs"]:
+        cpu = row["cpu_s_per_gb"]
         table.add_row(row["mode"], str(row["bucket_mib"]), str(row["buckets"]), str(row["direct_buckets"]),
                       f"{row['loopback_seconds']:.3f}", f"{row['loopback_gbps']:.2f}", f"{row['seconds']:.3f}",
-                      f"{row['gbps']:.2f}", f"{row['fraction_of_loopback']:.0%}")
+                      f"{row['gbps']:.2f}", f"{row['fraction_of_loopback']:.0%}",
+                      f"{cpu['loopback_sender']:.2f}+{cpu['loopback_receiver']:.2f}",
+                      f"{cpu['sync_sender']:.2f}+{cpu['sync_receiver']:.2f}")
     console.print(table)
     for row in result["configs"]:
         verdict = "meets" if row["fraction_of_loopback"] >= 0.7 else "MISSES"
