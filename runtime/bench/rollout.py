@@ -91,7 +91,7 @@ class Plan:
     @classmethod
     def make(cls, quick: bool, repeats: int | None) -> Plan:
         if quick:
-            return cls(True, repeats or 1, 6, 12, (1, 3), 6, 1, 1, 500, (1, 3), 1)
+            return cls(True, repeats or 1, 6, 12, (1, 3), 6, 1, 1, 300, (1, 3), 1)
         return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 48, 6, 4, 4000, (1, 2, 4, 8, 16), 2)
 
 
@@ -189,6 +189,7 @@ class Timeline:
 class RunResult:
     tokens: int
     seconds: float
+    cpu_seconds: float
     acceptance_length: float | None
     forwards_per_token: float
     tail_seconds: float
@@ -197,21 +198,27 @@ class RunResult:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
+
 
 def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams]
                ) -> RunResult:
     engine.stats.reset()
     timeline = Timeline(controller, engine)
     engine.controller = timeline
+    cpu = time.process_time()
     start = time.perf_counter()
     engine.generate(prompts, params)
     end = time.perf_counter()
+    cpu = time.process_time() - cpu
     n = len(prompts)
     cutoff = math.ceil(0.9 * n)
     tail_start = next((t for t, done in timeline.marks if done >= cutoff), end)
     s = engine.stats
     decode_forwards = s.target_forwards - s.prefill_forwards
-    return RunResult(tokens=s.generated_tokens, seconds=end - start, acceptance_length=s.acceptance_length,
+    return RunResult(tokens=s.generated_tokens, seconds=end - start, cpu_seconds=cpu, acceptance_length=s.acceptance_length,
                      forwards_per_token=decode_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start)
 
 
@@ -409,15 +416,25 @@ def build_engine(models: Models, progress: Callable[[str], None]) -> tuple[Rollo
 
 def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]) -> dict[str, Any]:
     t_start = time.perf_counter()
+    phases: dict[str, float] = {}
+    mark = [time.perf_counter()]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = round(now - mark[0], 2)
+        mark[0] = now
+
     models = load_models(plan.quick, progress)
     engine, available, skipped = build_engine(models, progress)
     prompts = workload(plan.prompts)
     params = sampling(len(prompts), plan.max_new_tokens, models.eos_id)
+    phase("load")
 
     progress("calibrating the cost model")
     cal: Calibration = calibrate(engine, prompts, methods=available, batch_sizes=plan.calibration_batch_sizes,
                                  rounds=plan.calibration_rounds, steps=3 if plan.quick else 10, progress=progress)
     advance()
+    phase("calibrate")
     adaptive = AdaptiveController(available, cost_model=cal.cost_model, alpha_priors=cal.alpha,
                                   settings=AdaptiveSettings(seed=BENCH_SEED))
 
@@ -436,12 +453,14 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     def summary(name: str) -> dict[str, Any]:
         rs = runs[name]
         return {"tokens_per_s": med([x.tokens_per_s for x in rs]),
+                "tokens_per_cpu_s": med([x.tokens_per_cpu_s for x in rs]),
                 "acceptance_length": med([x.acceptance_length for x in rs]),
                 "target_forwards_per_token": med([x.forwards_per_token for x in rs]),
                 "tail_seconds": med([x.tail_seconds for x in rs]),
                 "seconds": med([x.seconds for x in rs]), "tokens": med([x.tokens for x in rs]),
                 "runs_tokens_per_s": [round(x.tokens_per_s, 2) for x in rs]}
 
+    phase("long_tail")
     ar_tps = summary("ar")["tokens_per_s"] or 0.0
     config_rows = []
     for name, method, gamma in configs:
@@ -478,15 +497,18 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         bs1["hf_assisted"].append(tok / sec)
         advance()
 
+    phase("batch1_and_hf")
     bandwidth = max(memory_bandwidth_gb_s(64 if plan.quick else 256) for _ in range(2))
     bpt = bytes_per_decode_token(models.target)
     roofline_tps = bandwidth * 1e9 / bpt
     engine_ar_bs1 = med(bs1["ar"]) or 0.0
 
     sweep = run_sweep(plan, engine, models, available, adaptive, cal, progress, advance)
+    phase("sweep")
 
     lossless = lossless_checks(plan.lossless_samples, available, progress, n_tokens=2 if plan.quick else 3)
     advance()
+    phase("lossless")
 
     hf_ar_tps = med([t / s for t, s in hf_batched]) or 0.0
     result: dict[str, Any] = {
@@ -517,6 +539,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     }
     result["targets"] = targets(result)
     result["seconds"] = time.perf_counter() - t_start
+    result["phase_seconds"] = phases
+    result["load_average"] = _load_average()
     return result
 
 
@@ -581,14 +605,15 @@ def _table(result: dict[str, Any]) -> Any:
     t = Table(title=f"specrl bench rollout — {result['model']['name']} "
                     f"({result['model']['parameters'] / 1e6:.1f}M params), batch {BATCH}, T=1.0, "
                     f"medians of {result['repeats']}")
-    for col in ("config", "tokens/s", "speedup vs AR", "accept len", "fwd/token", "tail s"):
+    for col in ("config", "tokens/s", "speedup vs AR", "tok/CPU-s", "accept len", "fwd/token", "tail s"):
         t.add_column(col, justify="right" if col != "config" else "left")
 
     def fmt(x: float | None, nd: int = 2) -> str:
         return "-" if x is None else f"{x:.{nd}f}"
 
     for c in [*result["configs"], {"name": "adaptive", **result["adaptive"]}]:
-        t.add_row(c["name"], fmt(c["tokens_per_s"], 1), fmt(c["speedup_vs_ar"]), fmt(c["acceptance_length"]),
+        t.add_row(c["name"], fmt(c["tokens_per_s"], 1), fmt(c["speedup_vs_ar"]), fmt(c["tokens_per_cpu_s"], 1),
+                  fmt(c["acceptance_length"]),
                   fmt(c["target_forwards_per_token"]), fmt(c["tail_seconds"]))
     return t
 
@@ -641,6 +666,15 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2, default=_json_default))
         out.print(f"wrote {args.json}")
     return 0 if result["lossless"]["passed"] else 1
+
+
+def _load_average() -> list[float] | None:
+    try:
+        import os
+
+        return [round(x, 2) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def _json_default(obj: Any) -> Any:
