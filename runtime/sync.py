@@ -459,6 +459,9 @@ class SyncGroup:
             raise SyncError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise SyncError(f"weight sync: rank {rank} is not in a group of {world_size}")
+        if backend == "nccl" and (getattr(torch.distributed, "ProcessGroupNCCL", None) is None
+                                  or not torch.cuda.is_available()):
+            raise SyncError("weight sync backend 'nccl' needs a GPU and a CUDA build of torch; use 'gloo' on CPU")
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             store = TCPStore(host, port, None, rank == 0, timeout, wait_for_workers=False)
@@ -486,9 +489,7 @@ class SyncGroup:
         prefix = PrefixStore(f"specrl-sync/epoch-{epoch}/", self.store)
         try:
             if self.backend == "nccl":
-                nccl = getattr(torch.distributed, "ProcessGroupNCCL", None)
-                if nccl is None:
-                    raise SyncError("weight sync backend 'nccl' needs a CUDA build of torch; use 'gloo' on CPU")
+                nccl = torch.distributed.ProcessGroupNCCL  # availability checked in create()
                 opts = nccl.Options()
                 opts._timeout = self.timeout
                 return nccl(prefix, rank, world_size, opts)
@@ -515,8 +516,11 @@ class SyncGroup:
             if me is None:
                 raise SyncError("weight sync: rebuild(members) needs `me` when the group was created by rank")
             rank, world_size, names = self._rank_of(members, me), len(members), tuple(members)
-        if self.rank == 0 and rank != 0:
-            raise SyncError("weight sync: the sender hosts the rendezvous store and must stay rank 0")
+        if (self.rank == 0) != (rank == 0):
+            raise SyncError("weight sync: the sender hosts the rendezvous store and must stay rank 0 "
+                            "(a new sender needs a new group: SyncGroup.create)")
+        if self.store is None:
+            raise SyncError("weight sync: this group was closed; join again with SyncGroup.create/join")
         if not 0 <= rank < world_size:
             raise SyncError(f"weight sync: rank {rank} is not in a group of {world_size}")
         self.close_group()
