@@ -178,9 +178,9 @@ class JobCoordinator:
         self._reward_errors: dict[str, int] = {}
         self._sync_members: list[str] = []
         self.registry = metrics_registry
-        self.metrics = RuntimeMetrics(settings.job, settings.namespace, "coordinator", f"{settings.job}-coordinator",
+        self.cm = RuntimeMetrics(settings.job, settings.namespace, "coordinator", f"{settings.job}-coordinator",
                                       registry=metrics_registry)
-        self.registry = self.metrics.registry
+        self.registry = self.cm.registry
         self._worker_metrics: dict[str, Any] = {}
         self._resume_from = resume_from
         train, _ = load_problem_split(settings)
@@ -222,7 +222,7 @@ class JobCoordinator:
         from specrl.runtime.metrics import render
 
         with self.lock:
-            m = self.metrics
+            m = self.cm
             m.queue_depth.set(len(self.ledger.queue))
             m.active_sequences.set(self.ledger.in_flight_count() * self.settings.group_size)
             m.long_tail.set(1 if self.long_tail else 0)
@@ -485,7 +485,7 @@ class JobCoordinator:
                 with self.lock:
                     back = self.ledger.requeue(name)
                 self._wm(name, "rollout").prompts_requeued.inc(len(back))
-                self.metrics.prompts_requeued.inc(len(back))
+                self.cm.prompts_requeued.inc(len(back))
                 self._dead.add(name)
                 self._retire(name, f"failed: {type(exc).__name__}")
                 continue
@@ -515,7 +515,7 @@ class JobCoordinator:
         prev = self._reward_errors.get(name, 0)
         if errors_now > prev:
             wm.reward_errors.inc(errors_now - prev)
-            self.metrics.reward_errors.inc(errors_now - prev)
+            self.cm.reward_errors.inc(errors_now - prev)
         self._reward_errors[name] = max(prev, errors_now)
         wm.weight_version.set(out["weight_version"])
         wm.weight_staleness.set(max(0, step - out["weight_version"]))
@@ -608,8 +608,8 @@ class JobCoordinator:
             wm.trainer_samples.inc(len(samples) / max(1, len(self.trainers)))
             wm.trainer_loss.set(sum(o["loss"] for o in train_out))
             wm.weight_version.set(self.weight_version)
-        self.metrics.trainer_reward_mean.set(mean)
-        self.metrics.trainer_step.set(self.weight_version)
+        self.cm.trainer_reward_mean.set(mean)
+        self.cm.trainer_step.set(self.weight_version)
 
     def _sync_weights(self, version: int) -> dict[str, float]:
         """One packed broadcast trainer rank 0 -> every active rollout worker; rebuild the group when needed."""
@@ -642,9 +642,9 @@ class JobCoordinator:
         seconds = time.perf_counter() - t0
         with self.lock:
             self.rollout_version = version
-        self.metrics.sync_duration.observe(out["seconds"])
-        self.metrics.sync_bytes.inc(out["bytes"])
-        self.metrics.weight_version.set(version)
+        self.cm.sync_duration.observe(out["seconds"])
+        self.cm.sync_bytes.inc(out["bytes"])
+        self.cm.weight_version.set(version)
         return {"seconds": seconds, "bytes": int(out["bytes"]) * len(recvs), "transfer_seconds": out["seconds"]}
 
     # ------------------------------------------------------------------ records and checkpoints
@@ -681,8 +681,8 @@ class JobCoordinator:
             requeued=self.ledger.requeued,
             workers={"rollout": len(self._schedulable()), "trainer": len(self.trainers)},
         )
-        self.metrics.long_tail_seconds.inc(tail_s)
-        self.metrics.generated_tokens.inc(tokens)
+        self.cm.long_tail_seconds.inc(tail_s)
+        self.cm.generated_tokens.inc(tokens)
         return rec.to_dict()
 
     def cursor(self) -> dict:

@@ -1,0 +1,10 @@
+"""Reward functions importable by rollout actors in the integration tests (added to their PYTHONPATH)."""
+
+
+def raising(prompt: str, completion: str, answer: str) -> float:
+    raise RuntimeError("this reward function is broken on purpose")
+
+
+def length_reward(prompt: str, completion: str, answer: str) -> float:
+    """Dense signal for micro models that cannot solve the task yet: shorter answers score higher."""
+    return 1.0 / (1.0 + len(completion))
