@@ -23,7 +23,8 @@ starts early). On loopback the packing copy costs as much CPU as the kernel's ow
 
 Atomicity: `WeightReceiver.receive()` returns a *new* state (fresh views, a buffer the live state does not use)
 only after the COMMIT trailer arrived; anything else (ABORT trailer, a sender that died, a timeout, a header
-that does not parse) raises `SyncAborted` and the caller keeps its previous weights. `VersionedWeights.swap`
+that does not parse) raises `SyncAborted` and the caller keeps its previous weights; its `group_usable` says
+whether the next sync can reuse the group (clean ABORT) or the group must be rebuilt first (broken stream). `VersionedWeights.swap`
 installs (version, state) in one assignment under a lock, so a reader never sees a mix of two versions.
 
 Groups: `SyncGroup` is a *stateless* process group (TCPStore + PrefixStore + ProcessGroupGloo/NCCL built
@@ -93,6 +94,7 @@ ABORT = 2
 ALIGN = 64  # byte alignment of every tensor in the flat space (any dtype view is then aligned)
 DEFAULT_BUCKET_MIB = 64
 DEFAULT_TIMEOUT_S = 300.0
+MAX_METADATA_BYTES = 256 << 20  # a header asking for more is not from a specrl sender
 
 # dtypes that may travel (a whitelist: the metadata is parsed on the receiver, never eval'd).
 DTYPES: dict[str, torch.dtype] = {
@@ -107,7 +109,15 @@ class SyncError(RuntimeError):
 
 
 class SyncAborted(SyncError):
-    """The transfer did not complete; the receiver's previous weights are untouched."""
+    """The transfer did not complete; the receiver's previous weights are untouched.
+
+    `group_usable` tells whether the stream stayed aligned (the sender aborted cleanly: the next sync can
+    use the same group) or not (a peer died, a timeout, garbage on the wire: rebuild the group first).
+    """
+
+    def __init__(self, message: str, group_usable: bool = False) -> None:
+        super().__init__(message)
+        self.group_usable = group_usable
 
 
 # ----------------------------------------------------------------------------------------------- layout (pure)
@@ -684,7 +694,7 @@ class WeightSender:
         ack = torch.ones(1, dtype=torch.int64, device=dev)
         g.allreduce_sum(ack).wait()
         if status == ABORT:
-            raise SyncAborted(f"weight sync v{version} aborted while packing: {error}")
+            raise SyncAborted(f"weight sync v{version} aborted while packing: {error}", group_usable=True)
         if int(ack.item()) != g.world_size:
             raise SyncAborted(f"weight sync v{version}: {g.world_size - int(ack.item())} receiver(s) did not "
                               "acknowledge")
@@ -755,6 +765,8 @@ class WeightReceiver:
         if magic != MAGIC or proto != PROTOCOL:
             raise SyncAborted(f"weight sync: unexpected header (magic {magic:#x}, protocol {proto}); "
                               "sender and receiver disagree on the protocol")
+        if not 0 < meta_len <= MAX_METADATA_BYTES or total < 0 or n_buckets < 0:
+            raise SyncAborted(f"weight sync v{version}: implausible header (metadata {meta_len} bytes)")
         meta = torch.empty(meta_len, dtype=torch.uint8, device=dev)
         g.broadcast(meta).wait()
         layout = Layout.from_json(meta.cpu().numpy().tobytes())
@@ -778,7 +790,7 @@ class WeightReceiver:
         if t_magic != MAGIC or t_version != version or sent != n_buckets:
             raise SyncAborted(f"weight sync v{version}: trailer does not match the header")
         if status != COMMIT:
-            raise SyncAborted(f"weight sync v{version} was aborted by the sender")
+            raise SyncAborted(f"weight sync v{version} was aborted by the sender", group_usable=True)
         return version, layout, slot, flat
 
 

@@ -95,8 +95,8 @@ def scenario_lifecycle(rank: int, port: int) -> None:
             try:
                 st = sender.send(make_state(version), version)
                 log.append([version, "sent", group.world_size, st.buckets, st.bytes])
-            except SyncAborted:
-                log.append([version, "aborted", group.world_size])
+            except SyncAborted as exc:
+                log.append([version, "aborted", group.world_size, exc.group_usable])
 
         send(1)
         send(2)
@@ -125,10 +125,10 @@ def scenario_lifecycle(rank: int, port: int) -> None:
             parts = split_states(state)
             tied = parts["policy"]["embed.weight"].data_ptr() == parts["policy"]["lm_head.weight"].data_ptr()
             log.append([version, "ok", group.world_size, check(state, version), tied])
-        except SyncAborted:
+        except SyncAborted as exc:
             # atomic: the very same (version, state) object is still installed, and its bytes are intact
-            log.append([held[0], "kept", weights.current() is held or weights.current() == held,
-                        check(weights.current()[1], held[0])])
+            log.append([held[0], "kept", weights.current() is held, check(weights.current()[1], held[0]),
+                        exc.group_usable])
 
     for _ in range(4):  # v1..v4 (v3 aborted)
         receive()

@@ -53,6 +53,7 @@ def lifecycle() -> dict[int, list[dict]]:
 
 def test_sender_sees_every_version_and_membership(lifecycle: dict[int, list[dict]]) -> None:
     first, *rest = lifecycle[0]
+    assert first["log"][2] == [3, "aborted", 3, True]
     assert [(v, what, world) for v, what, world, *_ in first["log"]] == [
         (1, "sent", 3), (2, "sent", 3), (3, "aborted", 3), (4, "sent", 3), (5, "sent", 2), (6, "sent", 3)]
     buckets, nbytes = first["log"][0][3], first["log"][0][4]
@@ -71,8 +72,9 @@ def test_two_receivers_get_identical_weights_after_each_swap(lifecycle: dict[int
 def test_aborted_transfer_keeps_old_weights(lifecycle: dict[int, list[dict]]) -> None:
     for rank in (1, 2):
         log = lifecycle[rank][-1]["log"]
-        assert log[2] == [2, "kept", True, True]  # sender-side abort of v3: v2 stays installed, intact
-        assert log[-1] == [6, "kept", True, True]  # sender died during v7: v6 stays installed, intact
+        assert log[2] == [2, "kept", True, True, True]  # sender-side abort of v3: v2 stays installed, intact,
+        #                                                the group stays usable (v4 then arrives on it)
+        assert log[-1] == [6, "kept", True, True, False]  # sender died in v7: v6 stays; the group must be rebuilt
         assert lifecycle[rank][-1]["failures"] == 2 and lifecycle[rank][-1]["version_metric"] == 6
 
 
