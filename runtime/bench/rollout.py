@@ -639,6 +639,8 @@ def main(args: argparse.Namespace) -> int:
         print("specrl bench rollout: --repeats must be >= 1", file=sys.stderr)
         return 2
     plan = Plan.make(bool(getattr(args, "quick", False)), repeats)
+    threads = bench_threads()
+    torch.set_num_threads(threads)
     console = Console(stderr=True)
     n_configs = len(FIXED_CONFIGS) + 1
     total = 1 + plan.repeats * n_configs + plan.repeats + plan.repeats + 1
@@ -666,6 +668,25 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2, default=_json_default))
         out.print(f"wrote {args.json}")
     return 0 if result["lossless"]["passed"] else 1
+
+
+def bench_threads() -> int:
+    """Intra-op threads for the benchmark: `SPECRL_BENCH_THREADS`, else 1.
+
+    One thread by default because the benchmark machines are shared: with two OpenMP threads and more runnable
+    processes than cores, every parallel region waits for its partner thread to be scheduled, and a batch-1
+    decode step measured here went from ~12 ms to ~250 ms of CPU time. One thread keeps ratios meaningful.
+    """
+    import os
+
+    raw = os.environ.get("SPECRL_BENCH_THREADS", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise SystemExit(f"specrl bench rollout: SPECRL_BENCH_THREADS must be an integer, got {raw!r}") from None
+    if n < 1:
+        raise SystemExit(f"specrl bench rollout: SPECRL_BENCH_THREADS must be >= 1, got {n}")
+    return n
 
 
 def _load_average() -> list[float] | None:

@@ -11,7 +11,6 @@ import pytest
 from specrl.runtime.cli import main
 
 
-@pytest.mark.slow
 def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     rc = main(["bench", "rollout", "--quick", "--json", str(out)])
