@@ -34,6 +34,7 @@ import collections
 import copy
 import datetime as dt
 import json
+import math
 import re
 import secrets
 import uuid
@@ -45,7 +46,7 @@ import attrs
 import jsonpatch
 import kmock
 import yaml
-from kmock._internal import apps, parsing, rendering
+from kmock._internal import parsing, rendering
 from kmock._internal.k8s import (
     KubernetesError,
     KubernetesObjectNotFoundError,
@@ -303,12 +304,68 @@ class Emulator(kmock.KubernetesEmulator):
 
     # --------------------------------------------------------------------------------------------------
     # Bypass KMock's own state handling: reactions first, then our fallbacks change the state.
+    #
+    # KMock decides by testing `request in reaction` for every reaction, and that re-filters every request the
+    # server has ever seen: quadratic, ~100 ms per request after a few hundred. So only the reactions a test
+    # added are consulted that way (usually none); everything else is dispatched directly.
     async def _handle(self, request: rendering.Request) -> Any:
         if "protobuf" in request.headers.get("Content-Type", ""):
-            # client-go retries with JSON after a 415 (kubectl create/run send protobuf for built-in kinds).
             raise _status(415, "UnsupportedMediaType", "the emulator speaks JSON only: use `kubectl apply -f` "
                           "(`kubectl create <kind>` sends protobuf)")
-        return await apps.RawHandler._handle(self, request)
+        reactions = [p for p in self._payloads if not (p.priorities and p.priorities[0] == -math.inf)]
+        if reactions:
+            width = max(len(p.priorities) for p in reactions)
+            ranked = sorted(reactions, key=lambda p: tuple(-x for x in p.priorities) + (0,) * (width - len(p.priorities)))
+            for payload in ranked:
+                if request in payload._source and not payload._disabled.is_set():
+                    try:
+                        return await payload(request)
+                    except rendering.ReactionMismatchError:
+                        payload._disabled.set()
+                    except NotImplementedError:
+                        pass
+        result = await self._dispatch(request)
+        if isinstance(result, aiohttp.web.StreamResponse):
+            return result
+        response = result if isinstance(result, rendering.Response) else rendering.Response(payload=result)
+        return await response(request)
+
+    async def _dispatch(self, request: rendering.Request) -> Any:
+        path = request.url.path.rstrip("/") or "/"
+        if request.resource is None or request.resource.plural is None:
+            if request.method != kmock.method.GET:
+                raise _status(405, "MethodNotAllowed", f"{request.method.value} {path} is not supported")
+            if path == "/api/v1":
+                return await self._serve_core_v1(request)
+            if path == "/openapi/v3":
+                return await self._serve_openapi_root(request)
+            if re.fullmatch(r"/openapi/v3/apis/[^/]+/[^/]+", path):
+                return await self._serve_openapi_gv(request)
+            if re.fullmatch(r"/apis/[^/]+/[^/]+", path) or re.fullmatch(r"/api/[^/]+", path):
+                return await self._serve_version(request)
+            if re.fullmatch(r"/apis/[^/]+", path):
+                return await self._serve_group(request)
+            handler = {"/version": self._serve_server_version, "/apis": self._serve_apis, "/api": self._serve_api,
+                       "/": self._serve_root}.get(path)
+            if handler is None:
+                raise _status(404, "NotFound", "the server could not find the requested resource")
+            return await handler(request)
+        action, method = request.action, request.method
+        if action == kmock.action.WATCH:
+            return await self._serve_watch(request)
+        if action == kmock.action.LIST:
+            return await self._serve_list(request)
+        if action == kmock.action.FETCH:
+            return await self._serve_fetch(request)
+        if action == kmock.action.CREATE:
+            return await self._serve_create(request)
+        if action == kmock.action.UPDATE:
+            return await self._serve_update(request)
+        if method == kmock.method.PUT:
+            return await self._serve_replace(request)
+        if method == kmock.method.DELETE:
+            return await self._serve_delete(request)
+        raise _status(405, "MethodNotAllowed", f"{method.value} {path} is not supported")
 
     # KMock parses /api/v1/namespaces[/<name>[/status]] as a namespace *scope* (and fails on the bare list
     # path), so Namespace objects are addressed here before its parser sees them.
@@ -426,11 +483,14 @@ class Emulator(kmock.KubernetesEmulator):
         else:
             self.objects[key] = obj
 
-    def _items(self, res: kmock.resource, namespace: str | None = None) -> list[dict[str, Any]]:
+    def _items(self, res: kmock.resource, namespace: str | None = None,
+               keep: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
         out = []
         for (r, ns, _name), obj in self.objects.items():
             if r == res and not obj.deleted and (namespace is None or ns == namespace):
-                out.append(copy.deepcopy(obj.raw))
+                raw = obj.raw
+                if keep is None or keep(raw):
+                    out.append(copy.deepcopy(raw))
         return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
 
     def _next_rv(self) -> str:
@@ -747,8 +807,8 @@ class Emulator(kmock.KubernetesEmulator):
             lsel, fsel = label_selector(labels), field_selector(fields)
         except ValueError as exc:
             raise _status(400, "BadRequest", str(exc)) from None
-        return [o for o in self._items(res, namespace if self.info(res).namespaced else None)
-                if lsel(o["metadata"].get("labels") or {}) and fsel(o)]
+        return self._items(res, namespace if self.info(res).namespaced else None,
+                           lambda o: lsel(o["metadata"].get("labels") or {}) and fsel(o))
 
     # --------------------------------------------------------------------------------------------------
     # HTTP fallbacks

@@ -12,6 +12,7 @@ the CRD tests. Only what the RLJob CRD uses is supported (no transition rules, n
 from __future__ import annotations
 
 import copy
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,7 @@ class CRDSchema:
     subresources: dict[str, Any] = field(init=False)
     _validator: Any = field(init=False, repr=False)
     _cel: dict[str, Any] = field(init=False, repr=False, default_factory=dict)
+    _memo: dict[tuple[str, str], Any] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         versions = self.crd["spec"]["versions"]
@@ -108,7 +110,7 @@ class CRDSchema:
         if not causes:
             causes += self._ratchet(self._check_list_maps(self.schema, obj, ""), obj, old)
         if not causes:
-            causes += self._ratchet(self._check_cel(self.schema, obj, ""), obj, old)
+            causes += self._ratchet(self._check_cel(self.schema, obj, "", old), obj, old)
         if causes:
             raise AdmissionError(causes)
         return obj, warnings
@@ -187,28 +189,48 @@ class CRDSchema:
             self._cel[rule] = self._env.program(self._env.compile(rule))
         return self._cel[rule]
 
-    def _check_cel(self, schema: dict[str, Any], value: Any, path: str) -> list[tuple[str, str]]:
-        causes: list[tuple[str, str]] = []
-        for rule in schema.get("x-kubernetes-validations", []):
+    def _evaluate(self, rule: str, schema: dict[str, Any], value: Any) -> Any:
+        # celpy walks a parse tree in Python (~1 ms a rule): memoise by the value the rule sees.
+        key = (rule, json.dumps(value, sort_keys=True, default=str))
+        if key not in self._memo:
+            if len(self._memo) > 50000:
+                self._memo.clear()
             try:
-                ok = self._program(rule["rule"]).evaluate({"self": celpy.json_to_cel(_typed(schema, value))})
+                self._memo[key] = bool(self._program(rule).evaluate({"self": celpy.json_to_cel(_typed(schema, value))}))
             except Exception as exc:  # noqa: BLE001 - a rule that cannot run is reported like the server does
-                causes.append((path or "<root>", f"rule {rule['rule']!r} failed to evaluate: {exc}"))
+                self._memo[key] = exc
+        return self._memo[key]
+
+    def _check_cel(self, schema: dict[str, Any], value: Any, path: str, old: Any = _MISSING) -> list[tuple[str, str]]:
+        causes: list[tuple[str, str]] = []
+        if old is not _MISSING and old == value:
+            return causes  # ratcheting: an unchanged subtree is not re-validated
+        for rule in schema.get("x-kubernetes-validations", []):
+            ok = self._evaluate(rule["rule"], schema, value)
+            if isinstance(ok, Exception):
+                causes.append((path or "<root>", f"rule {rule['rule']!r} failed to evaluate: {ok}"))
                 continue
             if not bool(ok) or isinstance(ok, Exception):
                 where = path + rule.get("fieldPath", "") if rule.get("fieldPath") else (path or "<root>")
                 causes.append((where.lstrip("."), rule.get("message") or f"failed rule: {rule['rule']}"))
+        def sub_old(key: Any) -> Any:
+            if isinstance(old, dict) and not isinstance(key, int):
+                return old.get(key, _MISSING)
+            if isinstance(old, list) and isinstance(key, int) and key < len(old):
+                return old[key]
+            return _MISSING
+
         if isinstance(value, dict):
             for key, sub in (schema.get("properties") or {}).items():
                 if key in value and not (path == "" and key == "metadata"):
-                    causes += self._check_cel(sub, value[key], _join(path, key))
+                    causes += self._check_cel(sub, value[key], _join(path, key), sub_old(key))
             extra = schema.get("additionalProperties")
             if isinstance(extra, dict) and "properties" not in schema:
                 for key, item in value.items():
-                    causes += self._check_cel(extra, item, _join(path, key))
+                    causes += self._check_cel(extra, item, _join(path, key), sub_old(key))
         elif isinstance(value, list) and isinstance(schema.get("items"), dict):
             for i, item in enumerate(value):
-                causes += self._check_cel(schema["items"], item, _join(path, i))
+                causes += self._check_cel(schema["items"], item, _join(path, i), sub_old(i))
         return causes
 
 
