@@ -297,7 +297,7 @@ class BucketedEpsilonGreedy:
     """Per batch-size bucket, ε-greedy over arms by the median of a sliding window of rewards."""
 
     def __init__(self, arms: Sequence[Decision], thresholds: Sequence[int] = DEFAULT_BUCKETS, epsilon: float = 0.1,
-                 window: int = 100, seed: int = 0) -> None:
+                 window: int = 100, seed: int = 0, min_samples: int = 3, explore_gap: float = 0.25) -> None:
         if not arms:
             raise ValueError("BucketedEpsilonGreedy: needs at least one arm")
         if not 0.0 <= epsilon <= 1.0:
@@ -312,6 +312,8 @@ class BucketedEpsilonGreedy:
         self.thresholds = thresholds
         self.epsilon = epsilon
         self.window = window
+        self.min_samples = min_samples
+        self.explore_gap = explore_gap
         self._rng = random.Random(seed)
         self._rewards: dict[tuple[int, Decision], deque[float]] = {}
 
@@ -332,10 +334,14 @@ class BucketedEpsilonGreedy:
         return len(window) if window else 0
 
     def choose(self, batch: int, prior: Callable[[Decision], float] | None = None) -> tuple[Decision, bool]:
-        """(arm, explored). Unmeasured arms are scored by `prior` (the cost model), else tried first."""
+        """(arm, explored). Unmeasured arms are scored by `prior` (the cost model), else tried first.
+
+        Exploration is uniform over the arms still in contention: those with fewer than `min_samples`
+        measurements, or whose median is within `explore_gap` of the best arm's. Arms measured to be clearly
+        worse are re-explored only at a tenth of the rate, so exploring 16 arms does not cost 10% of goodput
+        for ever, yet a drafter that improves (it is trained during the job) is still noticed.
+        """
         b = self.bucket(batch)
-        if self._rng.random() < self.epsilon:
-            return self._rng.choice(self.arms), True
 
         def value(arm: Decision) -> float:
             s = self.score(b, arm)
@@ -343,7 +349,14 @@ class BucketedEpsilonGreedy:
                 return s
             return prior(arm) if prior is not None else math.inf
 
-        return max(self.arms, key=lambda a: (value(a), not is_speculative(a), -a.gamma)), False
+        best = max(self.arms, key=lambda a: (value(a), not is_speculative(a), -a.gamma))
+        if self._rng.random() < self.epsilon:
+            top = value(best)
+            contenders = [a for a in self.arms
+                          if self.samples(b, a) < self.min_samples or value(a) >= (1 - self.explore_gap) * top]
+            pool = self.arms if (self._rng.random() < 0.1 or not contenders) else contenders
+            return self._rng.choice(pool), True
+        return best, False
 
     def update(self, batch: int, arm: Decision, reward: float) -> None:
         key = (self.bucket(batch), arm)

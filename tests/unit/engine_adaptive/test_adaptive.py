@@ -139,7 +139,7 @@ def test_bandit_exploits_the_best_arm_and_explores() -> None:
         explored += exp
         bandit.update(1, arm, truth[arm] + rng.gauss(0, 0.1))
     assert picks[arms[2]] / 2000 > 0.85
-    assert all(picks[a] > 20 for a in arms)  # every arm keeps being explored
+    assert all(picks[a] > 3 for a in arms)  # every arm keeps being explored (clear losers rarely)
     assert 0.06 < explored / 2000 < 0.14
 
 
@@ -279,3 +279,18 @@ def test_calibrate_from_timers_builds_a_consistent_model() -> None:
     again = CostModel.from_dict(model.to_dict())
     assert again.v(4, 4) == pytest.approx(model.v(4, 4))
     assert math.isfinite(again.speedup("ngram", 3, 3, 0.5))
+
+
+def test_exploration_concentrates_on_contenders() -> None:
+    arms = [AR, Decision("ngram", 2), Decision("draft_model", 4), Decision("quantized_self", 6)]
+    truth = {AR: 1.0, arms[1]: 0.5, arms[2]: 1.6, arms[3]: 1.5}
+    bandit = BucketedEpsilonGreedy(arms, epsilon=0.2, window=50, seed=5)
+    picks: Counter[Decision] = Counter()
+    for i in range(3000):
+        arm, explored = bandit.choose(1)
+        if i > 500 and explored:
+            picks[arm] += 1
+        bandit.update(1, arm, truth[arm])
+    # the clearly worse arms (0.5, 1.0 vs best 1.6) are explored far less than the close contender (1.5)
+    assert picks[arms[3]] > 4 * picks[arms[1]] and picks[arms[3]] > 4 * picks[AR]
+    assert picks[arms[1]] > 0  # but never forgotten
