@@ -73,6 +73,9 @@ class RolloutWorker:
             self.draft.eval()
         spec = SpeculativeConfig(method=settings.method, num_speculative_tokens=settings.num_speculative_tokens)
         self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft)
+        self.calibration: dict | None = None
+        if settings.adaptive and settings.method != "none":
+            self._install_adaptive_controller()
         # Plain decoding on the same weights: the side-by-side baseline (and the SD-off path).
         self.ar_engine = RolloutEngine(self.model, speculative=SpeculativeConfig(method="none"))
         self.weight_version = 0
@@ -81,6 +84,21 @@ class RolloutWorker:
         self._sync_group = None
         self._receiver = None
         self.active_sequences = 0
+
+    def _install_adaptive_controller(self) -> None:
+        """Calibrate the cost model on this machine with the job's own prompts, then let the controller decide
+        per decode step whether to speculate and how far (DESIGN §5)."""
+        from specrl.runtime.engine.adaptive import AdaptiveController, calibrate, settings_from_spec
+        from specrl.runtime.rl.task import prompt_token_ids
+
+        prompts = [prompt_token_ids(p, self.tokenizer) for p in self.problems[:8]]
+        cal = calibrate(self.engine, prompts, batch_sizes=(1, 2, 4, 8), gammas=(2, 4), steps=6, rounds=1,
+                        seed=self.settings.seed)
+        self.engine.controller = AdaptiveController(
+            list(self.engine.proposers), cost_model=cal.cost_model, alpha_priors=cal.alpha,
+            settings=settings_from_spec(self.settings.extra.get("speculative"), seed=self.settings.seed))
+        self.engine.stats.reset()  # calibration steps are not rollouts
+        self.calibration = cal.summary()
 
     def _reward_error(self, _exc: BaseException | None) -> None:
         if self.metrics is not None:

@@ -20,7 +20,7 @@ class RunSettings:
     draft_model: str | None = "builtin:tiny-draft"
     method: str = "draft_model"
     num_speculative_tokens: int = 4
-    adaptive: bool = True
+    adaptive: bool = False  # the spec's adaptive controller (calibrated at worker start); from_job sets it
     dataset: str = "builtin:arithmetic"
     dataset_size: int = 2000
     difficulty: dict[str, float] | None = None
@@ -94,7 +94,7 @@ def settings_from_job(job: Any) -> RunSettings:
         draft_model=sp.draft_model,
         method=sp.method,
         num_speculative_tokens=sp.num_speculative_tokens,
-        adaptive=sp.adaptive.toggle,
+        adaptive=sp.method != "none" and (sp.adaptive.toggle or sp.adaptive.draft_length or sp.adaptive.strategy),
         dataset=dataset,
         dataset_size=size,
         difficulty=difficulty,
@@ -120,6 +120,7 @@ def settings_from_job(job: Any) -> RunSettings:
         checkpoint_dir=spec.checkpoint.path,
         checkpoint_interval=spec.checkpoint.interval if spec.checkpoint.path else 0,
         seed=alg.seed,
+        extra={"speculative": sp.model_dump(by_alias=True, exclude_none=True)},
     )
 
 
