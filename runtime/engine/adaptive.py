@@ -635,10 +635,10 @@ def calibrate_from_timers(target: StepTimer, drafts: Mapping[str, Callable[[int]
     verify: dict[int, dict[int, float]] = {}
     draft: dict[str, dict[int, float]] = {m: {} for m in drafts}
     for b in batch_sizes:
-        verify[b] = {k: med(lambda k=k: target(b, k)) for k in sorted(set(verify_tokens) | {1})}
+        verify[b] = {k: med(lambda k=k, b=b: target(b, k)) for k in sorted(set(verify_tokens) | {1})}
         target_step[b] = verify[b][1]
         for m, timer in drafts.items():
-            draft[m][b] = med(lambda timer=timer: timer(b))
+            draft[m][b] = med(lambda timer=timer, b=b: timer(b))
     return CostModel(target_step=target_step, verify_step=verify, draft_step=draft)
 
 

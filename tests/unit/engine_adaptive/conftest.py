@@ -115,7 +115,7 @@ def install(monkeypatch: Any) -> types.ModuleType:
     return vllm
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture

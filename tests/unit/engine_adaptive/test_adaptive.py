@@ -2,32 +2,31 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import Counter
 
 import pytest
-
-from specrl.runtime.engine.control import Decision, StepRecord
-
 from specrl.runtime.engine.adaptive import (
     AR,
-    FixedController,
-    label,
     AcceptanceTracker,
     AdaptiveController,
     AdaptiveSettings,
     BucketedEpsilonGreedy,
     CostModel,
+    FixedController,
     alpha_from_mean_accepted,
     bucket_of,
     calibrate_from_timers,
     controller_from_spec,
     expected_tokens_per_round,
+    label,
     predicted_speedup,
     settings_from_spec,
     toggle,
 )
+from specrl.runtime.engine.control import Decision, StepRecord
 
 
 def memory_bound_model() -> CostModel:
@@ -40,7 +39,7 @@ def memory_bound_model() -> CostModel:
 
 def test_expected_tokens_per_round_matches_the_geometric_sum() -> None:
     for alpha in (0.0, 0.3, 0.75, 0.95):
-        for gamma in range(0, 7):
+        for gamma in range(7):
             assert expected_tokens_per_round(alpha, gamma) == pytest.approx(sum(alpha**i for i in range(gamma + 1)))
     assert expected_tokens_per_round(1.0, 4) == 5.0
     with pytest.raises(ValueError, match="alpha"):
@@ -90,7 +89,7 @@ def test_draft_length_grows_with_acceptance() -> None:
     gammas = range(1, 11)
     chosen = [model.best_gamma("draft_model", 1, a, gammas)[0] for a in (0.5, 0.7, 0.85, 0.95)]
     assert chosen == sorted(chosen) and chosen[0] < chosen[-1]
-    g, s = model.best_gamma("draft_model", 1, 0.85, gammas)
+    _, s = model.best_gamma("draft_model", 1, 0.85, gammas)
     assert all(model.speedup("draft_model", k, 1, 0.85) <= s + 1e-12 for k in gammas)
 
 
@@ -236,7 +235,7 @@ def test_cost_model_mode_and_per_batch_size_table() -> None:
     table = ctrl.per_batch_size_gamma(max_batch=64)
     assert table[0][0] == 1 and table[-1][1] == 64 and table[-1][2] == 0
     assert table[0][2] > 0
-    for (s0, e0, _), (s1, _, _) in zip(table, table[1:]):
+    for (_, e0, _), (s1, _, _) in itertools.pairwise(table):
         assert s1 == e0 + 1
 
 

@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from specrl.runtime.cli import main
 
 

@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from specrl.runtime.api import SpeculativeSpec
 from specrl.runtime.engine import SamplingParams
 from specrl.runtime.engine.adaptive import AdaptiveController, AdaptiveSettings, CostModel
