@@ -537,13 +537,23 @@ class SyncGroup:
         self.pg = self._build(rank, world_size, epoch)
         self.rank, self.world_size, self.epoch, self.members = rank, world_size, epoch, names
 
+    @property
+    def closed(self) -> bool:
+        return self.pg is None
+
     def close_group(self) -> None:
+        """Leave the current process group (the store stays; `rebuild` forms the next one).
+
+        Dropping the group closes its connections, so peers blocked in a collective with us fail at once
+        instead of waiting for their timeout; a coordinator uses this to unblock a stuck sync.
+        """
         pg, self.pg = getattr(self, "pg", None), None
         if pg is not None:
             try:
                 pg.shutdown()
             except RuntimeError:
                 pass
+            del pg
 
     def close(self) -> None:
         self.close_group()
@@ -629,11 +639,18 @@ class WeightSender:
         meta_raw = layout.to_json()
         try:
             self._send_stream(layout, sources, meta_raw, version)
+        except SyncAborted as exc:
+            self._count_failure()
+            if not exc.group_usable:
+                self.group.close_group()
+            raise
         except SyncError:
             self._count_failure()
             raise
         except RuntimeError as exc:  # gloo/NCCL: a peer vanished or timed out
             self._count_failure()
+            # Closing our end makes the surviving receivers fail now instead of at their timeout.
+            self.group.close_group()
             raise SyncAborted(f"weight sync v{version} failed on the sender: {exc}") from None
         seconds = time.perf_counter() - t0
         stats = SyncStats(layout.total_bytes, seconds, layout.num_buckets, version, self.bucket_bytes,
@@ -736,11 +753,17 @@ class WeightReceiver:
         t0 = time.perf_counter()
         try:
             version, layout, slot, flat = self._receive_stream()
-        except SyncAborted:
+        except SyncAborted as exc:
+            self._count_failure()
+            if not exc.group_usable:
+                self.group.close_group()  # the stream is out of step: only a rebuilt group can carry on
+            raise
+        except SyncError:
             self._count_failure()
             raise
         except RuntimeError as exc:  # gloo/NCCL: sender died, connection closed, timeout
             self._count_failure()
+            self.group.close_group()
             raise SyncAborted(f"weight sync interrupted on rank {self.group.rank}: {exc}") from None
         state = unpack(layout, flat)
         self._live = slot

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 from specrl.runtime import sync
@@ -80,7 +81,8 @@ def scenario_lifecycle(rank: int, port: int) -> None:
 
     epoch 0, 3 members: v1, v2 ok; v3 aborted by a packing error on the sender; v4 ok on the same group.
     epoch 1, 2 members (rollout-1 drained): v5.   epoch 2, 3 members (rollout-1 joins again): v6.
-    v7: the sender process dies in the middle of the buckets.
+    v7: rollout-1 dies in the middle; the others fail fast and keep v6.   epoch 3, 2 members: v8.
+    v9: the sender process dies in the middle of the buckets; rollout-0 keeps v8.
     """
     names = ["j-trainer-0", "j-rollout-0", "j-rollout-1"]
     me = names[rank]
@@ -107,11 +109,15 @@ def scenario_lifecycle(rank: int, port: int) -> None:
         send(5)
         group.rebuild(names, epoch=2)
         send(6)
-        out(rank=rank, log=log, sync_bytes=m.sync_bytes._value.get(), failures=m.sync_failures._value.get(),
-            version_metric=m.weight_version._value.get())
+        send(7)  # rollout-1 dies in the middle: we fail and close our end
+        closed_after_7 = group.closed
+        group.rebuild(names[:2], epoch=3)
+        send(8)
+        out(rank=rank, log=log, closed_after_7=closed_after_7, sync_bytes=m.sync_bytes._value.get(),
+            failures=m.sync_failures._value.get(), version_metric=m.weight_version._value.get())
         _inject(2, lambda: os._exit(0))  # a crashed trainer: no trailer; the kernel closes its sockets
-        send(7)
-        out(rank=rank, error="the sender survived v7")
+        send(9)
+        out(rank=rank, error="the sender survived v9")
         return
 
     receiver = WeightReceiver(group, metrics=m)
@@ -142,9 +148,23 @@ def scenario_lifecycle(rank: int, port: int) -> None:
         receive()  # v5
         group.rebuild(names, epoch=2)
     receive()  # v6
-    receive()  # v7: the sender dies
-    out(rank=rank, log=log, epoch=group.epoch, failures=m.sync_failures._value.get(),
-        version_metric=m.weight_version._value.get())
+    if me == "j-rollout-1":
+        out(rank=rank, log=log, epoch=group.epoch)
+        real = sync.Layout.from_json
+        sync.Layout.from_json = staticmethod(lambda raw: os._exit(0))  # v7: die after the header
+        receive()
+        sync.Layout.from_json = real
+        out(rank=rank, error="rollout-1 survived v7")
+        return
+    t0 = time.monotonic()
+    receive()  # v7: a fellow receiver dies mid-transfer
+    unblocked_s = time.monotonic() - t0
+    closed_after_7 = group.closed
+    group.rebuild(names[:2], epoch=3)
+    receive()  # v8
+    receive()  # v9: the sender dies
+    out(rank=rank, log=log, epoch=group.epoch, failures=m.sync_failures._value.get(), closed_after_7=closed_after_7,
+        unblocked_s=unblocked_s, version_metric=m.weight_version._value.get())
 
 
 if __name__ == "__main__":
