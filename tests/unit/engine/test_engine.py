@@ -1,0 +1,214 @@
+"""Engine behaviour: runner == HF math, greedy SD == AR for every proposer, logprobs, batching, seeds, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specrl.runtime.engine import (
+    Decision,
+    RolloutEngine,
+    SamplingParams,
+    SpeculativeConfig,
+    StepRecord,
+)
+from specrl.runtime.engine.model_runner import TransformerRunner
+
+from .conftest import VOCAB, make_model, reference_probs
+
+PROPOSERS = ["draft_model", "ngram", "layer_skip", "quantized_self", "eagle"]
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 1, 2, 3], [5], [2, 2, 2, 2, 2, 2, 2], [9, 8, 7, 6, 5], [3, 1, 4, 1, 5, 9]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_runner_matches_hf_forward(kind: str) -> None:
+    model = make_model(kind, layers=2, seed=3)
+    runner = TransformerRunner(model)
+    cache = runner.new_cache(4, 32)
+    x = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = model(x).logits
+        logits, _ = runner.forward(cache, 0, [0, 0, 0], x[:, :6])
+        errs = [(logits - ref[:, :6]).abs().max()]
+        for t in range(6, 9):
+            logits, _ = runner.forward(cache, 0, [t] * 3, x[:, t : t + 1])
+            errs.append((logits[:, 0] - ref[:, t]).abs().max())
+        # a single row verifying two positions at once, from slot 1
+        logits, _ = runner.forward(cache, 1, [8], x[1:2, 8:10])
+        errs.append((logits[0] - ref[1, 8:10]).abs().max())
+    assert max(float(e) for e in errs) < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", PROPOSERS)
+def test_greedy_sd_equals_ar(kind: str, method: str, target, qwen_target, draft) -> None:
+    model = target if kind == "llama" else qwen_target
+    plain = SamplingParams(temperature=0.0, max_new_tokens=24, logprobs_mode="raw")
+    ar_free = RolloutEngine(model, max_batch_size=4).generate(PROMPTS, plain)
+    # A stop token that really occurs mid-way in some outputs (ragged finishes, both finish reasons).
+    stop = ar_free[0].token_ids[5]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=[stop], logprobs_mode="raw")
+    ar = RolloutEngine(model, max_batch_size=4).generate(PROMPTS, params)
+    engine = RolloutEngine(model, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
+                           max_batch_size=4)
+    sd = engine.generate(PROMPTS, params)
+    assert {o.finish_reason for o in ar} == {"stop", "length"}
+    for a, s in zip(ar, sd):
+        assert s.token_ids == a.token_ids
+        assert s.finish_reason == a.finish_reason
+        np.testing.assert_allclose(s.logprobs, a.logprobs, atol=1e-4)
+    assert engine.stats.sd_steps > 0 and engine.stats.draft_tokens > 0
+    assert engine.stats.generated_tokens == sum(len(o.token_ids) for o in sd)
+
+
+def _teacher_forced_logprobs(model, prompt, tokens, cfg) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double().numpy()
+    probs = reference_probs(logits, cfg["temperature"], cfg["top_k"], cfg["top_p"])
+    return np.log(probs[np.arange(len(tokens)), tokens])
+
+
+@pytest.mark.parametrize("method", PROPOSERS)
+def test_sampled_logprobs_are_the_targets(method: str, target, draft) -> None:
+    """SD logprobs equal the target's (processed) logprobs of the same tokens, as AR's do (within 1e-4)."""
+    cfg = dict(temperature=0.9, top_k=8, top_p=0.95)
+    params = [SamplingParams(max_new_tokens=12, seed=i, **cfg) for i in range(len(PROMPTS))]
+    sd = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
+                       max_batch_size=4).generate(PROMPTS, params)
+    ar = RolloutEngine(target, max_batch_size=4).generate(PROMPTS, params)
+    for prompt, s, a in zip(PROMPTS, sd, ar):
+        np.testing.assert_allclose(s.logprobs, _teacher_forced_logprobs(target, prompt, s.token_ids, cfg), atol=1e-4)
+        np.testing.assert_allclose(a.logprobs, _teacher_forced_logprobs(target, prompt, a.token_ids, cfg), atol=1e-4)
+    raw = [SamplingParams(max_new_tokens=8, seed=1, logprobs_mode="raw")]
+    out = RolloutEngine(target, SpeculativeConfig(method=method), draft_model=draft).generate([PROMPTS[1]], raw)[0]
+    np.testing.assert_allclose(out.logprobs, _teacher_forced_logprobs(target, PROMPTS[1], out.token_ids,
+                                                                      dict(temperature=1.0, top_k=0, top_p=1.0)),
+                               atol=1e-4)
+
+
+def test_continuous_batching_and_per_request_seeds(target, draft) -> None:
+    prompts = [[(i * 3 + j) % VOCAB for j in range(1 + i % 5)] for i in range(11)]
+    params = [SamplingParams(max_new_tokens=4 + (i * 7) % 13, seed=100 + i, stop_token_ids=[0]) for i in range(11)]
+    engine = RolloutEngine(target, max_batch_size=3)
+    outs = engine.generate(prompts, params)
+    assert [o.request_id for o in outs] == list(range(11))
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for o, p in zip(outs, params):
+        assert 1 <= len(o.token_ids) <= p.max_new_tokens and len(o.logprobs) == len(o.token_ids)
+        assert o.finish_reason == ("stop" if o.token_ids[-1] == 0 else "length")
+        assert 0 not in o.token_ids[:-1]
+    # AR results do not depend on the batch composition: each request alone gives the same tokens.
+    for i in (0, 5, 10):
+        alone = RolloutEngine(target, max_batch_size=1).generate([prompts[i]], params[i])[0]
+        assert alone.token_ids == outs[i].token_ids
+    # Speculative runs are reproducible for the same seeds and batch layout.
+    sd = [RolloutEngine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=2),
+                        draft_model=draft, max_batch_size=3).generate(prompts, params) for _ in range(2)]
+    assert [o.token_ids for o in sd[0]] == [o.token_ids for o in sd[1]]
+    assert engine.stats.requests_completed == 11
+
+
+def test_length_limit_of_the_context(target) -> None:
+    engine = RolloutEngine(target, SpeculativeConfig(method="ngram", num_speculative_tokens=4), max_model_len=12)
+    out = engine.generate([[1, 2, 1, 2, 1, 2, 1, 2, 1, 2]], SamplingParams(temperature=0.0, max_new_tokens=50))[0]
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
+class _Recorder:
+    """A controller alternating AR and speculative steps with varying gamma (exercises catch-up paths)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.calls = 0
+        self.records: list[StepRecord] = []
+
+    def decide(self, active_batch_size: int) -> Decision:
+        self.calls += 1
+        return Decision(None) if self.calls % 3 == 0 else Decision(self.method, 1 + self.calls % 4)
+
+    def observe(self, decision: Decision, record: StepRecord) -> None:
+        assert record.method == decision.method
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("method", PROPOSERS)
+def test_controller_hook_switching_is_still_exact(method: str, target, draft) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=20)
+    ar = RolloutEngine(target, max_batch_size=3).generate(PROMPTS, params)
+    ctl = _Recorder(method)
+    engine = RolloutEngine(target, SpeculativeConfig(method=method), draft_model=draft, max_batch_size=3,
+                           controller=ctl)
+    sd = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in sd] == [o.token_ids for o in ar]
+    assert {r.method for r in ctl.records} == {None, method}
+    assert len(engine.stats.steps) == len(ctl.records) == engine.stats.ar_steps + engine.stats.sd_steps
+    assert sum(r.emitted_tokens for r in ctl.records) + len(PROMPTS) == engine.stats.generated_tokens
+    assert engine.stats.target_forwards == engine.stats.ar_steps + engine.stats.sd_steps + engine.stats.prefill_forwards
+
+
+def test_policy_update_refreshes_engine_and_drafters(target) -> None:
+    new = make_model("llama", layers=2, seed=7)
+    params = SamplingParams(temperature=0.0, max_new_tokens=10)
+    policy = make_model("llama", layers=2, seed=0)
+    engine = RolloutEngine(policy, SpeculativeConfig(method="quantized_self", extra_methods=("layer_skip", "eagle")))
+    before = engine.proposers["quantized_self"].runner.layers[0].qkv.qweight.clone()
+    engine.load_policy_state(new.state_dict())
+    expected = RolloutEngine(new).generate(PROMPTS, params)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in expected]
+    assert not torch.equal(before, engine.proposers["quantized_self"].runner.layers[0].qkv.qweight)
+    # In-place edits of the HF model (e.g. an optimizer step in local mode) are picked up automatically.
+    with torch.no_grad():
+        for p_new, p in zip(target.parameters(), policy.parameters()):
+            p.copy_(p_new)
+    expected = RolloutEngine(target).generate(PROMPTS, params)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in expected]
+    with pytest.raises(ValueError, match="state_dict"):
+        engine.load_policy_state({"nope": torch.zeros(1)})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=0.5), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(seed="x"), "seed"),
+        (dict(logprobs_mode="both"), "logprobs_mode"),
+    ],
+)
+def test_invalid_sampling_params_name_the_parameter(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_name_the_problem(target) -> None:
+    engine = RolloutEngine(target, max_model_len=16)
+    ok = SamplingParams(max_new_tokens=2)
+    for prompts, params, pattern in [
+        ([[]], ok, r"prompts\[0\]"),
+        ([[1, 2], []], ok, r"prompts\[1\]"),
+        ([list(range(16))], ok, r"prompts\[0\].*max_model_len"),
+        ([[1, VOCAB]], ok, r"prompts\[0\].*vocabulary"),
+        ([[1]], [ok, ok], "params"),
+        ("abc", ok, "prompts"),
+    ]:
+        with pytest.raises(ValueError, match=pattern):
+            engine.generate(prompts, params)  # type: ignore[arg-type]
+    assert engine.stats.generated_tokens == 0  # nothing ran: no partial state
+    with pytest.raises(ValueError, match="^method:"):
+        SpeculativeConfig(method="medusa")
+    with pytest.raises(ValueError, match="^num_speculative_tokens:"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="^draft_model:"):
+        RolloutEngine(target, SpeculativeConfig(method="draft_model"))
+    with pytest.raises(ValueError, match="^max_batch_size:"):
+        RolloutEngine(target, max_batch_size=0)
+    with pytest.raises(ValueError, match="^controller:"):
+        RolloutEngine(target, controller=type("C", (), {"decide": lambda s, b: Decision("ngram", 2),
+                                                       "observe": lambda s, d, r: None})()).generate([[1]], ok)
