@@ -928,9 +928,16 @@ class Emulator(kmock.KubernetesEmulator):
                     event = await asyncio.wait_for(watcher.queue.get(), remaining)
                 except asyncio.TimeoutError:
                     return
+                if event is None:  # the server is shutting down
+                    return
                 yield self._watch_event(res, event, table)
         finally:
             self._watchers.discard(watcher)
+
+    def close_watches(self) -> None:
+        """End every open watch stream (clients see a normal end of stream), e.g. before shutting down."""
+        for watcher in list(self._watchers):
+            watcher.queue.put_nowait(None)
 
     def _watch_event(self, res: kmock.resource, event: dict[str, Any], table: bool) -> dict[str, Any]:
         if not table:

@@ -92,6 +92,8 @@ class KubeServer:
             self.port = server.port
             self._ready.set()
             await self._stop.wait()
+            emulator.close_watches()
+            await asyncio.sleep(0.05)  # let the streams finish before the server closes
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and self._thread is not None \
