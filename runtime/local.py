@@ -122,9 +122,12 @@ def start_ray() -> None:
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Actors print nothing but warnings: the live table is the run's output.
+    quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
+             "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+    os.environ.update({k: v for k, v in quiet.items() if k != "OMP_NUM_THREADS"})
     ray.init(num_cpus=max(2, _cores()), include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
-             configure_logging=True, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}})
+             configure_logging=True, runtime_env={"env_vars": quiet})
 
 
 def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = True,
