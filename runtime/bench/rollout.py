@@ -646,6 +646,13 @@ def main(args: argparse.Namespace) -> int:
     plan = Plan.make(bool(getattr(args, "quick", False)), repeats)
     threads = bench_threads()
     torch.set_num_threads(threads)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with ours
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
     console = Console(stderr=True)
     n_configs = len(FIXED_CONFIGS) + 1
     total = 1 + plan.repeats * n_configs + plan.repeats + plan.repeats + 1
