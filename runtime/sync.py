@@ -631,11 +631,7 @@ class WeightSender:
         t0 = time.perf_counter()
         layout = plan_layout(named_tensors, self.bucket_bytes)  # validates before anything goes on the wire
         dev = self.group.device
-        sources = []
-        for meta, t in zip(layout.tensors, named_tensors.values()):
-            if t.device != dev:
-                t = t.to(dev)
-            sources.append(byte_view(t))
+        sources = [byte_view(t if t.device == dev else t.to(dev)) for t in named_tensors.values()]
         meta_raw = layout.to_json()
         try:
             self._send_stream(layout, sources, meta_raw, version)
