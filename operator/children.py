@@ -186,9 +186,23 @@ def _meta(owner: Owner, name: str, role: str | None = None, job: Any = None) -> 
     }
 
 
+_rendered: dict[int, tuple[Any, str]] = {}
+
+
 def config_text(job: Any, owner: Owner) -> str:
-    """The job as every pod reads it (``job.yaml``): resolved defaults, server-set metadata dropped."""
-    return str(job.config_yaml())
+    """The job as every pod reads it (``job.yaml``): resolved defaults, server-set metadata dropped.
+
+    Memoised per job object (the reconciler reuses one parsed object per spec version): rendering YAML
+    is the most expensive step of a reconcile and its input does not change between timer ticks.
+    """
+    hit = _rendered.get(id(job))
+    if hit is not None and hit[0] is job:
+        return hit[1]
+    text = str(job.config_yaml())
+    if len(_rendered) > 4096:
+        _rendered.clear()
+    _rendered[id(job)] = (job, text)  # the reference keeps id() from being reused while cached
+    return text
 
 
 def config_hash(job: Any, owner: Owner) -> str:
@@ -295,7 +309,7 @@ def _resources(template: Mapping[str, Any], role: str, gpus: int) -> dict[str, A
     return out
 
 
-def pod(job: Any, owner: Owner, role: str, index: int) -> dict[str, Any]:
+def pod(job: Any, owner: Owner, role: str, index: int, config_digest: str | None = None) -> dict[str, Any]:
     name = pod_name(owner.name, role, index)
     template = _pod_template(job, role)
     env = _env(owner, role, index)
@@ -305,7 +319,7 @@ def pod(job: Any, owner: Owner, role: str, index: int) -> dict[str, Any]:
             if e.get("name") not in reserved]
     meta = _meta(owner, name, role, job)
     meta["labels"] = {**template.get("labels", {}), **meta["labels"], LABEL_INDEX: str(index)}
-    meta["annotations"] = {**template.get("annotations", {}), ANNOTATION_CONFIG_HASH: config_hash(job, owner)}
+    meta["annotations"] = {**template.get("annotations", {}), ANNOTATION_CONFIG_HASH: config_digest or config_hash(job, owner)}
     ports = [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
     if role == "coordinator":
         ports = [
@@ -387,8 +401,11 @@ def desired(
 
     ``workers=False`` (suspended, complete) keeps only the job-level objects and the coordinator.
     """
+    text = config_text(job, owner)  # rendered once: every pod carries its digest
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    cm = config_map(job, owner)
     static = {
-        ("ConfigMap", config_map_name(owner.name)): config_map(job, owner),
+        ("ConfigMap", config_map_name(owner.name)): cm,
         ("Secret", secret_name(owner.name)): secret(owner, token, job),
         ("Service", headless_service_name(owner.name)): headless_service(owner, job),
         ("Service", coordinator_service_name(owner.name)): coordinator_service(owner, job),
@@ -404,7 +421,7 @@ def desired(
         if role != "coordinator" and not workers:
             continue
         for i in plan_indexes(replicas[role], by_role[role]):
-            p = pod(job, owner, role, i)
+            p = pod(job, owner, role, i, digest)
             pods[p["metadata"]["name"]] = p
     return Desired(static=static, pods=pods)
 

@@ -51,7 +51,6 @@ def settings(args: argparse.Namespace) -> kopf.OperatorSettings:
     # A timer that is mid-tick when its job is deleted: re-check every 2 s (not kopf's 60 s) so that the
     # finalizer is released promptly; ticks are short unless a drain is in flight.
     s.background.cancellation_polling = 2
-    s.background.instant_exit_timeout = 0.5
     s.peering.standalone = args.peering is None
     if args.peering is not None:
         s.peering.name = args.peering

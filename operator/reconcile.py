@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import logging
 import os
 import secrets
@@ -171,14 +172,26 @@ IMMUTABLE = (("spec.model", lambda job: job.spec.model.model_dump(by_alias=True,
              ("spec.resources.image", lambda job: job.spec.resources.image))
 
 
+_parsed: dict[str, tuple[RLJob | None, str]] = {}
+
+
 def _validate(body: Mapping[str, Any]) -> tuple[RLJob | None, str]:
-    doc = {k: copy.deepcopy(body[k]) for k in ("apiVersion", "kind", "metadata", "spec") if k in body}
+    """The resolved job, or the problems with field paths; memoised on the fields the models read."""
+    meta = body.get("metadata") or {}
+    doc = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "spec": body.get("spec"),
+           "metadata": {k: meta[k] for k in ("name", "namespace", "labels") if k in meta}}
+    key = json.dumps(doc, sort_keys=True, default=str)
+    if key in _parsed:
+        return _parsed[key]
     try:
-        return RLJob.model_validate(doc).resolved(), ""
+        result: tuple[RLJob | None, str] = (RLJob.model_validate(copy.deepcopy(doc)).resolved(), "")
     except ValidationError as exc:
-        name = str((body.get("metadata") or {}).get("name", ""))
-        problems = problems_from(exc, source="RLJob", name=name)
-        return None, "; ".join(f"{p.path}: {p.message}" for p in problems)
+        problems = problems_from(exc, source="RLJob", name=str(meta.get("name", "")))
+        result = (None, "; ".join(f"{p.path}: {p.message}" for p in problems))
+    if len(_parsed) > 4096:  # bounded: old spec versions of many jobs
+        _parsed.clear()
+    _parsed[key] = result
+    return result
 
 
 def _with_applied(job: RLJob, applied: Mapping[str, Any]) -> tuple[RLJob, list[str]]:
@@ -193,7 +206,7 @@ def _with_applied(job: RLJob, applied: Mapping[str, Any]) -> tuple[RLJob, list[s
         changes.append(f"spec.resources.image is immutable: running {applied['image']!r}, "
                        f"requested {job.spec.resources.image!r}")
         spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"image": applied["image"]})})
-    return job.model_copy(update={"spec": spec}), changes
+    return (job.model_copy(update={"spec": spec}) if changes else job), changes
 
 
 def _allocation(job: RLJob, status: dict[str, Any]) -> dict[str, int]:

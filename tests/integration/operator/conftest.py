@@ -230,7 +230,7 @@ class KubeEnv:
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run([KUBECTL, "--kubeconfig", str(self.kubeconfig), *args], input=input, text=True,
-                              capture_output=True, timeout=60)
+                              capture_output=True, timeout=180)
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
