@@ -177,6 +177,7 @@ class JobCoordinator:
         self._dead: set[str] = set()
         self._reward_errors: dict[str, int] = {}
         self._sync_members: list[str] = []
+        self._pending_trainers: list[str] = []
         self.registry = metrics_registry
         self.cm = RuntimeMetrics(settings.job, settings.namespace, "coordinator", f"{settings.job}-coordinator",
                                       registry=metrics_registry)
@@ -421,10 +422,11 @@ class JobCoordinator:
             self.ledger.mark_trained(sorted({x["prompt_id"] for x in samples}))
         self._account_training(samples, train_out, train_seconds)
 
-        # -- weight sync (policy + drafter, one packed stream)
+        # -- weight sync (policy + drafter, one packed stream); trainer membership changes at this boundary
         with self.lock:
             self.phase = Phase.SYNCING
         self._handle_drains_and_joins()
+        self._regroup_trainers()
         sync_info = self._sync_weights(step + 1)
 
         # -- bookkeeping
@@ -543,9 +545,66 @@ class JobCoordinator:
         import ray
 
         for name, role in members_from_nodes(ray.nodes(), self.settings.job):
-            if role == "rollout" and name not in self.table.workers and name not in self._dead:
+            if name in self._dead or (name in self.table.workers and
+                                      self.table.workers[name].state != WorkerState.RETIRED):
+                continue
+            if role == "rollout":
                 log.info("rollout worker %s joined", name)
                 self.add_rollout_worker(name)
+            elif name not in self._pending_trainers:
+                log.info("trainer %s joined; it enters the data-parallel group at the next step boundary", name)
+                self._pending_trainers.append(name)
+
+    def add_trainer_worker(self, name: str) -> None:
+        """A trainer joins at the next step boundary (it copies rank 0's weights and optimizer state)."""
+        if name not in self._pending_trainers:
+            self._pending_trainers.append(name)
+
+    def _regroup_trainers(self) -> None:
+        """Apply trainer drains and joins: one new data-parallel group over the remaining and new trainers."""
+        import ray
+
+        from specrl.runtime.rl.trainer import TrainerWorker
+
+        with self.lock:
+            draining = [n for n in self.table.draining("trainer") if n in self.trainers]
+            joining = list(self._pending_trainers)
+            self._pending_trainers.clear()
+        if not draining and not joining:
+            return
+        keep = [n for n in self.trainers if n not in draining]
+        if not keep and not joining:
+            log.warning("not retiring %s: it is the last trainer", draining[-1])
+            draining, keep = draining[:-1], [draining[-1]]
+        source = self.trainers[keep[0]] if keep else self._trainer0()
+        state = ray.get(source.export_state.remote())
+        if self.trainers and next(iter(self.trainers)) in draining and "drafter" not in state:
+            state = {**state, **{k: v for k, v in ray.get(self._trainer0().export_state.remote()).items()
+                                 if k == "drafter"}}
+        for name in draining:
+            actor = self.trainers.pop(name)
+            ray.kill(actor)
+            with self.lock:
+                self.table.retire(name)
+            log.info("trainer %s retired (drained)", name)
+            wm = self._worker_metrics.pop(name, None)
+            if wm is not None:
+                wm.remove()
+        cls = ray.remote(TrainerWorker)
+        for name in joining:
+            with self.lock:
+                self.table.add(name, "trainer")
+            self.trainers[name] = cls.options(**self.placement.options(name, "trainer")).remote(
+                self.settings, len(self.trainers), len(self.trainers) + 1, name)
+        names = list(self.trainers)
+        ray.get([self.trainers[n].close_sync_group.remote() for n in names if n in keep])
+        host, port = ray.get(self.trainers[names[0]].node_address.remote())
+        backend = "nccl" if self.settings.sync_backend == "nccl" else "gloo"
+        ray.get([self.trainers[n].regroup.remote(rank, len(names), host, port, backend)
+                 for rank, n in enumerate(names)])
+        ray.get([self.trainers[n].import_state.remote(state) for n in names if n not in keep or n == names[0]])
+        with self.lock:
+            self._members_changed = True  # the weight-sync sender may have changed too
 
     # ------------------------------------------------------------------ drafter (TLT)
 
@@ -614,8 +673,6 @@ class JobCoordinator:
     def _sync_weights(self, version: int) -> dict[str, float]:
         """One packed broadcast trainer rank 0 -> every active rollout worker; rebuild the group when needed."""
         import ray
-
-        from specrl.runtime.coordinator_http import free_port  # noqa: F401 - documented rendezvous helper
 
         receivers = [n for n in self._schedulable()]
         if not receivers:

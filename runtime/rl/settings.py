@@ -47,7 +47,7 @@ class RunSettings:
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0
     seed: int = 0
-    eval_size: int = 32
+    eval_size: int = 64
     micro_batch: int = 16
     chunk_prompts: int = 2
     torch_threads: int = 1

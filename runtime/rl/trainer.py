@@ -143,6 +143,37 @@ class TrainerWorker:
         self._dp_ready = True
         return True
 
+    def regroup(self, rank: int, world_size: int, master_addr: str, master_port: int,
+                backend: str = "gloo") -> bool:
+        """Leave the old data-parallel group and join a new one (trainers joined or were drained)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.rank, self.world_size = rank, world_size
+        if rank == 0 and self.drafter is None and self.settings.draft_model and \
+                self.settings.method == "draft_model" and self.settings.drafter_training:
+            from specrl.runtime.rl.drafter_trainer import DrafterTrainer
+
+            self.drafter = DrafterTrainer.from_settings(self.settings)
+        return self.init_data_parallel(master_addr, master_port, backend)
+
+    def export_state(self) -> dict[str, Any]:
+        """Everything a new data-parallel peer must copy to stay bit-identical with this rank."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step,
+                 "weight_version": self.weight_version}
+        if self.drafter is not None:
+            state["drafter"] = self.drafter.state_dict()
+        return state
+
+    def import_state(self, state: dict[str, Any]) -> bool:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
+        if "drafter" in state and self.drafter is not None:
+            self.drafter.load_state_dict(state["drafter"])
+        return True
+
     def _all_reduce_grads(self) -> None:
         import torch.distributed as dist
 

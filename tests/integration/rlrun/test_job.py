@@ -45,42 +45,45 @@ def _assert_ledger_clean(coord, steps, prompts_per_step):
     assert rep["queued"] == rep["in_flight"] == rep["completed"] == 0
 
 
-def test_sync_job_two_trainers_two_rollouts_and_http(local_ray, micro):
+def test_sync_job_http_and_elastic_trainers(local_ray, micro):
+    """2 trainers (gloo DP) + 2 rollout workers; HTTP contract while it runs; a trainer drained over HTTP and a
+    new trainer joining, each at a step boundary, with the data-parallel ranks bit-identical afterwards."""
+    import ray
     from micro import micro_settings
 
-    s = micro_settings(steps=2, trainers=2, rollouts=2, reward="rewards_for_tests:length_reward")
+    s = micro_settings(steps=4, trainers=2, rollouts=2, reward="rewards_for_tests:length_reward")
     coord = JobCoordinator(s, token="s3cret", http_port=free_port())
     try:
         coord.start()
         before = coord.trainer_digest()
         url = coord.url
-        t, box = _run_in_thread(coord.run)
+        t, box = _run_in_thread(coord.run_step)
         seen_phases = set()
         with httpx.Client(base_url=url, timeout=10) as http:
             while t.is_alive():
                 st = http.get("/status").json()
                 seen_phases.add(st["phase"])
                 assert set(STATUS_KEYS) <= set(st)
-                time.sleep(0.05)
-            history = _finish(t, box)
+                time.sleep(0.02)
+            _finish(t, box)
+            assert {"Rollout", "LongTail", "Training", "Syncing"} & seen_phases
             st = http.get("/status").json()
-            assert st["complete"] is True and st["phase"] == "Complete"
-            assert st["step"] == 2 and st["weightVersion"] == 2
+            assert st["step"] == 1 and st["weightVersion"] == 1 and st["complete"] is False
             assert st["stepBatchSize"] == s.prompts_per_step * s.group_size
             assert isinstance(st["tokensPerSecond"], float) and st["acceptanceLength"] is not None
             names = {w["name"]: w for w in st["workers"]}
             assert set(names) == {"micro-trainer-0", "micro-trainer-1", "micro-rollout-0", "micro-rollout-1"}
             assert {w["role"] for w in st["workers"]} == {"trainer", "rollout"}
             assert http.get("/healthz").text == "ok"
-            # drain: auth, unknown worker, accepted
-            assert http.post("/drain", json={"worker": "micro-rollout-1"}).status_code == 401
-            assert http.post("/drain", json={"worker": "micro-rollout-1"},
+            # drain: auth, unknown worker, bad body, accepted
+            assert http.post("/drain", json={"worker": "micro-trainer-1"}).status_code == 401
+            assert http.post("/drain", json={"worker": "micro-trainer-1"},
                              headers={"Authorization": "Bearer wrong"}).status_code == 401
             auth = {"Authorization": "Bearer s3cret"}
             assert http.post("/drain", json={"worker": "nope"}, headers=auth).status_code == 404
             assert http.post("/drain", json={}, headers=auth).status_code == 400
-            r = http.post("/drain", json={"worker": "micro-rollout-1"}, headers=auth)
-            assert r.status_code == 202 and r.json() == {"worker": "micro-rollout-1", "state": "draining"}
+            r = http.post("/drain", json={"worker": "micro-trainer-1"}, headers=auth)
+            assert r.status_code == 202 and r.json() == {"worker": "micro-trainer-1", "state": "draining"}
             m = http.get("/metrics")
             assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
             exposed = {line.split("{")[0].split(" ")[0] for line in m.text.splitlines()
@@ -93,13 +96,22 @@ def test_sync_job_two_trainers_two_rollouts_and_http(local_ray, micro):
                 assert name in exposed, name
             assert exposed <= METRIC_NAMES
             assert 'worker="micro-rollout-0"' in m.text and 'role="trainer"' in m.text
-        assert {"Rollout", "Training"} & seen_phases
-        assert len(history) == 2 and [h["weight_version"] for h in history] == [1, 2]
-        assert all(h["sync_bytes"] > 0 for h in history)
-        _assert_ledger_clean(coord, 2, s.prompts_per_step)
-        # data parallel: both trainer ranks hold bit-identical weights, and they moved
-        import ray
 
+            coord.run_step()  # the drained trainer retires at this step's boundary
+            states = {w["name"]: w["state"] for w in http.get("/status").json()["workers"]}
+            assert states["micro-trainer-1"] == "retired" and list(coord.trainers) == ["micro-trainer-0"]
+            coord.add_trainer_worker("micro-trainer-2")
+            coord.run_step()  # ... and the new one joins at this one
+            assert list(coord.trainers) == ["micro-trainer-0", "micro-trainer-2"]
+            coord.run_step()  # a step with the new data-parallel group
+            coord.finish()
+            st = http.get("/status").json()
+            assert st["complete"] is True and st["phase"] == "Complete" and st["weightVersion"] == 4
+        history = coord.get_history()
+        assert [h["weight_version"] for h in history] == [1, 2, 3, 4]
+        assert all(h["sync_bytes"] > 0 for h in history)
+        _assert_ledger_clean(coord, 4, s.prompts_per_step)
+        # data parallel: both ranks hold bit-identical weights, and they moved
         digests = ray.get([a.digest.remote() for a in coord.trainers.values()])
         assert digests[0] == digests[1] != before
     finally:
