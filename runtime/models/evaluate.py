@@ -66,3 +66,37 @@ def evaluate_accuracy(model, tokenizer: CharTokenizer, problems: Sequence[Proble
         "p50_response_tokens": lengths[len(lengths) // 2] if lengths else 0,
         "p90_response_tokens": lengths[int(len(lengths) * 0.9)] if lengths else 0,
     }
+
+
+@torch.no_grad()
+def expected_acceptance(target, draft, tokenizer: CharTokenizer, problems: Sequence[Problem], *,
+                        temperature: float = 1.0, seed: int = 0, batch_size: int = 50,
+                        max_new_tokens: int = 192) -> dict:
+    """Per-token acceptance probability of speculative sampling, α = E[Σ_v min(p_v, q_v)], and α under greedy
+    (argmax agreement), along the target's own samples: how well `draft` predicts `target` on rollouts.
+    """
+    responses = generate_responses(target, tokenizer, problems, temperature=temperature, seed=seed,
+                                   batch_size=batch_size, max_new_tokens=max_new_tokens)
+    total_min = total_argmax = 0.0
+    count = 0
+    for start in range(0, len(problems), batch_size):
+        seqs = [prompt_token_ids(p, tokenizer) + r for p, r in
+                zip(problems[start:start + batch_size], responses[start:start + batch_size])]
+        plens = [len(prompt_token_ids(p, tokenizer)) for p in problems[start:start + batch_size]]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), tokenizer.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        for r, (s, pl) in enumerate(zip(seqs, plens)):
+            ids[r, :len(s)] = torch.tensor(s)
+            attn[r, :len(s)] = 1
+            mask[r, pl - 1:len(s) - 1] = True
+        t = target(input_ids=ids, attention_mask=attn).logits[mask].float()
+        d = draft(input_ids=ids, attention_mask=attn).logits[mask].float()
+        temp = temperature if temperature > 0 else 1.0
+        p, q = torch.softmax(t / temp, -1), torch.softmax(d / temp, -1)
+        total_min += float(torch.minimum(p, q).sum())
+        total_argmax += float((t.argmax(-1) == d.argmax(-1)).sum())
+        count += int(mask.sum())
+    return {"alpha": round(total_min / max(1, count), 4), "greedy_alpha": round(total_argmax / max(1, count), 4),
+            "positions": count}

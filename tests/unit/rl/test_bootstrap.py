@@ -141,3 +141,16 @@ def test_batched_left_padded_eval_matches_one_by_one(micro):
     assert batched == single
     stats = evaluate_accuracy(model, tok, problems, temperature=1.0, seed=3, max_new_tokens=20)
     assert set(stats["by_difficulty"]) <= {"easy", "hard"} and 0 <= stats["accuracy"] <= 1
+
+
+def test_expected_acceptance_of_draft(micro, root):
+    from specrl.runtime.models.evaluate import expected_acceptance
+    from specrl.runtime.rl.task import SyntheticTask
+
+    target, tok = load_policy(micro)
+    draft, _ = load_policy(ensure_built(MICRO_DRAFT, root=root))
+    problems = list(SyntheticTask(6, {"easy": 1.0}, seed=2))
+    same = expected_acceptance(target, target, tok, problems, max_new_tokens=16)
+    assert same["alpha"] == pytest.approx(1.0, abs=1e-4) and same["greedy_alpha"] == 1.0
+    other = expected_acceptance(target, draft, tok, problems, max_new_tokens=16)
+    assert 0.0 < other["alpha"] < 1.0 and other["positions"] == same["positions"] > 0
