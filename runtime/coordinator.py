@@ -105,6 +105,27 @@ def acceptance_length(stats: dict[str, float]) -> float | None:
     return 1.0 + stats.get("accepted_tokens", 0.0) / drafts if drafts else None
 
 
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under `root` (folders `step-NNNNNN` holding trainer.pt), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if (p / "trainer.pt").is_file())
+
+
+def latest_checkpoint(root: str | Path | None) -> str | None:
+    """The newest complete checkpoint under `root`: where a restarted job resumes."""
+    found = list_checkpoints(root) if root else []
+    return str(found[-1]) if found else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    import shutil
+
+    for old in list_checkpoints(root)[: -max(1, keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -753,6 +774,7 @@ class JobCoordinator:
         cursor = self.cursor()
         ray.get([a.save_checkpoint.remote(directory, cursor) for a in self.trainers.values()])
         log.info("checkpoint written to %s", directory)
+        prune_checkpoints(Path(directory).parent, self.settings.checkpoint_keep)
         return directory
 
     def _restore(self, directory: str) -> None:

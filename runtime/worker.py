@@ -143,7 +143,7 @@ def run_coordinator(config: str) -> int:
     settings = _load(config)
     import ray
 
-    from specrl.runtime.coordinator import JobCoordinator, Placement, members_from_nodes
+    from specrl.runtime.coordinator import JobCoordinator, Placement, latest_checkpoint, members_from_nodes
 
     subprocess.check_call([_ray_cli(), "start", "--head", f"--port={HEAD_PORT}", "--num-cpus=0",
                            "--include-dashboard=false", "--disable-usage-stats",
@@ -153,7 +153,8 @@ def run_coordinator(config: str) -> int:
     if token is None:
         log.warning("SPECRL_COORDINATOR_TOKEN is not set: POST /drain will refuse every request")
     coord = JobCoordinator(settings, token=token or "", placement=Placement(cluster=True), http_host="0.0.0.0",
-                           http_port=int(os.environ.get("SPECRL_HTTP_PORT", HTTP_PORT)))
+                           http_port=int(os.environ.get("SPECRL_HTTP_PORT", HTTP_PORT)),
+                           resume_from=latest_checkpoint(settings.checkpoint_dir))  # a restarted pod resumes
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     deadline = time.monotonic() + float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "600"))

@@ -46,6 +46,7 @@ class RunSettings:
     bucket_mb: int = 64
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0
+    checkpoint_keep: int = 3
     seed: int = 0
     eval_size: int = 64
     micro_batch: int = 16
@@ -119,6 +120,7 @@ def settings_from_job(job: Any) -> RunSettings:
         bucket_mb=spec.weight_sync.bucket_mib,
         checkpoint_dir=spec.checkpoint.path,
         checkpoint_interval=spec.checkpoint.interval if spec.checkpoint.path else 0,
+        checkpoint_keep=spec.checkpoint.keep,
         seed=alg.seed,
         extra={"speculative": sp.model_dump(by_alias=True, exclude_none=True)},
     )

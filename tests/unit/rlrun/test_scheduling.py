@@ -172,3 +172,17 @@ def test_members_from_ray_nodes():
         {"Alive": True, "Resources": {pod_resource("other-rollout-0"): 1}},
     ]
     assert members_from_nodes(nodes, "job") == [("job-rollout-1", "rollout"), ("job-trainer-0", "trainer")]
+
+
+def test_checkpoint_listing_and_pruning(tmp_path):
+    from specrl.runtime.coordinator import latest_checkpoint, list_checkpoints, prune_checkpoints
+
+    assert latest_checkpoint(None) is None and latest_checkpoint(tmp_path / "none") is None
+    for n in (1, 2, 3, 4):
+        d = tmp_path / f"step-{n:06d}"
+        d.mkdir()
+        (d / "trainer.pt").write_bytes(b"x")
+    (tmp_path / "step-000005").mkdir()  # torn: no trainer.pt, never resumed from
+    assert latest_checkpoint(tmp_path).endswith("step-000004")
+    prune_checkpoints(tmp_path, 2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
