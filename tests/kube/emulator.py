@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import copy
 import datetime as dt
 import json
-import math
 import re
 import secrets
 import uuid
@@ -87,6 +85,11 @@ IN_ALL = {"v1/pods", "v1/services", "apps/v1/deployments", "apps/v1/statefulsets
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public")
 TABLE_ACCEPT = re.compile(r"as=Table")
 _NAMESPACE_PATH = re.compile(r"^/api/v1/namespaces(?:/([^/]+))?(?:/(status|finalize))?/?$")
+
+
+def _clone(obj: Any) -> Any:
+    """A deep copy of JSON data (several times faster than copy.deepcopy)."""
+    return json.loads(json.dumps(obj))
 
 
 def _now() -> str:
@@ -203,7 +206,7 @@ def field_selector(text: str | None) -> Callable[[dict[str, Any]], bool]:
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
+        return _clone(patch)
     out = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if value is None:
@@ -223,7 +226,7 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
             key = next((k for k in _MERGE_KEYS if patch and all(isinstance(i, dict) and k in i for i in patch)
                         and all(isinstance(i, dict) and k in i for i in target)), None)
             if key is not None:
-                merged = [copy.deepcopy(i) for i in target]
+                merged = [_clone(i) for i in target]
                 index = {i[key]: n for n, i in enumerate(merged)}
                 for item in patch:
                     if item.get("$patch") == "delete":
@@ -235,7 +238,7 @@ def strategic_merge_patch(target: Any, patch: Any) -> Any:
                         merged.append(strategic_merge_patch({}, item))
                         index[item[key]] = len(merged) - 1
                 return merged
-        return copy.deepcopy(patch)
+        return _clone(patch)
     if patch.get("$patch") == "replace":
         return {k: v for k, v in patch.items() if not k.startswith("$")}
     out = dict(target) if isinstance(target, dict) else {}
@@ -282,6 +285,7 @@ class Emulator(kmock.KubernetesEmulator):
     _log: collections.deque[tuple[int, kmock.resource, dict[str, Any]]] = attrs.field(init=False)
     _mutex: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
     _ips: int = attrs.field(default=10, init=False)
+    _own_payloads: set[int] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -297,6 +301,7 @@ class Emulator(kmock.KubernetesEmulator):
                                                       verbs=set(VERBS), shortnames=set(short),
                                                       subresources=set(subs),
                                                       categories={"all"} if path in IN_ALL else set())
+        self._own_payloads = {id(p) for p in self._payloads}  # everything registered so far is ours
         for ns in DEFAULT_NAMESPACES:
             self._store(kmock.resource("v1/namespaces"), None, ns, self._stamp({
                 "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns},
@@ -312,7 +317,7 @@ class Emulator(kmock.KubernetesEmulator):
         if "protobuf" in request.headers.get("Content-Type", ""):
             raise _status(415, "UnsupportedMediaType", "the emulator speaks JSON only: use `kubectl apply -f` "
                           "(`kubectl create <kind>` sends protobuf)")
-        reactions = [p for p in self._payloads if not (p.priorities and p.priorities[0] == -math.inf)]
+        reactions = [p for p in self._payloads if id(p) not in self._own_payloads]
         if reactions:
             width = max(len(p.priorities) for p in reactions)
             ranked = sorted(reactions, key=lambda p: tuple(-x for x in p.priorities) + (0,) * (width - len(p.priorities)))
@@ -435,12 +440,12 @@ class Emulator(kmock.KubernetesEmulator):
                 "x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk[0],
                 "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": ref}}}}}}
             doc["components"]["schemas"][f"{prefix}.{info.kind}"] = {
-                **copy.deepcopy(schema.schema), "x-kubernetes-group-version-kind": gvk}
+                **_clone(schema.schema), "x-kubernetes-group-version-kind": gvk}
             doc["components"]["schemas"][f"{prefix}.{info.kind}List"] = {
                 "type": "object", "description": f"A list of {info.kind}.",
                 "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"},
                                "metadata": {"type": "object"},
-                               "items": {"type": "array", "items": copy.deepcopy(schema.schema)}},
+                               "items": {"type": "array", "items": _clone(schema.schema)}},
                 "x-kubernetes-group-version-kind": [{**gvk[0], "kind": f"{info.kind}List"}]}
         return docs
 
@@ -471,7 +476,7 @@ class Emulator(kmock.KubernetesEmulator):
         key = self._key(res, namespace, name)
         if key not in self.objects or self.objects[key].deleted:
             return None
-        return copy.deepcopy(self.objects[key].raw)
+        return _clone(self.objects[key].raw)
 
     def _store(self, res: kmock.resource, namespace: str | None, name: str, obj: dict[str, Any] | None) -> None:
         key = self._key(res, namespace, name)
@@ -490,7 +495,7 @@ class Emulator(kmock.KubernetesEmulator):
             if r == res and not obj.deleted and (namespace is None or ns == namespace):
                 raw = obj.raw
                 if keep is None or keep(raw):
-                    out.append(copy.deepcopy(raw))
+                    out.append(_clone(raw))
         return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
 
     def _next_rv(self) -> str:
@@ -513,7 +518,7 @@ class Emulator(kmock.KubernetesEmulator):
                                details={"name": name, "group": res.group, "kind": res.plural})
 
     def _emit(self, res: kmock.resource, kind: str, obj: dict[str, Any]) -> None:
-        event = {"type": kind, "object": copy.deepcopy(obj)}
+        event = {"type": kind, "object": _clone(obj)}
         self._log.append((int(obj["metadata"]["resourceVersion"]), res, event))
         for w in list(self._watchers):
             if w.resource == res and w.wants(obj):
@@ -580,7 +585,7 @@ class Emulator(kmock.KubernetesEmulator):
         if not isinstance(body, dict):
             raise _status(400, "BadRequest", "the body of the request must be a JSON object")
         info = self.info(res)
-        obj = copy.deepcopy(body)
+        obj = _clone(body)
         meta = obj.setdefault("metadata", {})
         if not isinstance(meta, dict):
             raise _status(400, "BadRequest", "metadata must be an object")
@@ -669,7 +674,7 @@ class Emulator(kmock.KubernetesEmulator):
             if replace is not None:
                 if not isinstance(replace, dict):
                     raise _status(400, "BadRequest", "the body of the request must be a JSON object")
-                new = copy.deepcopy(replace)
+                new = _clone(replace)
                 want_rv = (replace.get("metadata") or {}).get("resourceVersion")
             else:
                 new, want_rv = self._apply_patch(old, patch, content_type)
@@ -677,7 +682,7 @@ class Emulator(kmock.KubernetesEmulator):
                 raise _status(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{name}": the object '
                               "has been modified; please apply your changes to the latest version and try again")
             if subresource == "status":
-                merged = copy.deepcopy(old)
+                merged = _clone(old)
                 if "status" in new:
                     merged["status"] = new["status"]
                 else:
@@ -760,14 +765,14 @@ class Emulator(kmock.KubernetesEmulator):
     async def _remove(self, res: kmock.resource, obj: dict[str, Any], *, cascade: bool) -> None:
         """Delete for good (the caller holds the mutex), then collect what it owned."""
         meta = obj["metadata"]
-        obj = copy.deepcopy(obj)
+        obj = _clone(obj)
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self._store(res, meta.get("namespace"), meta["name"], None)
         self._emit(res, "DELETED", obj)
         if res.group == "" and res.plural == "namespaces":
             for (r, ns, n), stored in list(self.objects.items()):
                 if ns == meta["name"] and not stored.deleted:
-                    await self._remove(r, copy.deepcopy(stored.raw), cascade=True)
+                    await self._remove(r, _clone(stored.raw), cascade=True)
         if cascade:
             await self._collect_garbage()
 
@@ -781,7 +786,7 @@ class Emulator(kmock.KubernetesEmulator):
                     continue
                 refs = stored.raw.get("metadata", {}).get("ownerReferences") or []
                 if refs and not any(ref.get("uid") in alive for ref in refs):
-                    orphans.append((r, copy.deepcopy(stored.raw)))
+                    orphans.append((r, _clone(stored.raw)))
             if not orphans:
                 return
             progressed = False

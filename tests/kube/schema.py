@@ -91,7 +91,7 @@ class CRDSchema:
         does since validation ratcheting (1.30): an object stored under an older schema can still get status
         writes and unrelated edits.
         """
-        obj = copy.deepcopy(obj)
+        obj = json.loads(json.dumps(obj))
         unknown: list[str] = []
         self._prune(self.schema, obj, "", unknown, top=True)
         warnings = [f'unknown field "{p}"' for p in unknown]
@@ -101,7 +101,7 @@ class CRDSchema:
             warnings = []
         self._default(self.schema, obj, top=True)
         causes: list[tuple[str, str]] = []
-        for err in sorted(self._validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
+        for err in sorted(self._schema_errors(obj, old), key=lambda e: list(map(str, e.absolute_path))):
             path = ""
             for key in err.absolute_path:
                 path = _join(path, key)
@@ -114,6 +114,14 @@ class CRDSchema:
         if causes:
             raise AdmissionError(causes)
         return obj, warnings
+
+    def _schema_errors(self, obj: dict[str, Any], old: dict[str, Any] | None) -> list[Any]:
+        if old is None:
+            return list(self._validator.iter_errors(obj))
+        # An update: only the top-level parts that changed are validated (the rest would be ratcheted anyway).
+        changed = {k: v for k, v in obj.items() if k in ("spec", "status") and old.get(k, _MISSING) != v}
+        skeleton = {k: v for k, v in obj.items() if k not in ("spec", "status")}
+        return list(self._validator.iter_errors({**skeleton, **changed}))
 
     @staticmethod
     def _ratchet(causes: list[tuple[str, str]], new: dict[str, Any], old: dict[str, Any] | None
