@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
-
 from specrl.operator import children
 from specrl.operator import metrics as m
 from specrl.operator.coordinator_client import CoordinatorClient
@@ -56,7 +55,7 @@ def _apply(patch: kopf.Patch, status: dict[str, Any]) -> None:
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     """Register every handler of the operator into ``registry``."""
-    target = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    target: dict[str, Any] = {"group": GROUP, "version": VERSION, "plural": PLURAL, "registry": registry}
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> Any:

@@ -28,7 +28,6 @@ import random
 import sys
 
 import kopf
-
 from specrl.operator import handlers
 from specrl.operator import metrics as m
 from specrl.operator.reconcile import OperatorConfig

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-
 from specrl.operator import actuator, children
 from specrl.operator import metrics as m
 from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError
@@ -470,7 +469,11 @@ async def _observe_coordinator(rt: Runtime, job: RLJob, owner: children.Owner, s
         data = await rt.coord.status(owner.namespace, owner.name)
     except CoordinatorError as exc:
         m.COORDINATOR_ERRORS.labels(*key).inc()
-        if not (get_condition(st, "Degraded") or {}).get("reason") == "ImmutableFieldChanged":
+        if st.get("phase") == "Pending":
+            # Starting up: the coordinator pod may not be scheduled or listening yet; that is not degraded.
+            st["message"] = "waiting for the coordinator to answer GET /status"
+            return
+        if (get_condition(st, "Degraded") or {}).get("reason") != "ImmutableFieldChanged":
             set_condition(st, "Degraded", True, "CoordinatorUnreachable",
                           f"{exc}; no rebalancing until it answers", now, gen)
         return

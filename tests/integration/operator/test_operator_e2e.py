@@ -151,7 +151,7 @@ def _example_job(kube: KubeEnv) -> None:
     children = expected_pods + len(statics)
     sent = kube.operator_requests(kube.requests()[before:], ns)
     _report("create_one_rljob", {"children": children, "requests": len(sent), "budget": children + 3,
-                                 "breakdown": sorted(set(f"{s.split(' ')[0]} {s.split('/')[-1]}" for s in sent))})
+                                 "breakdown": sorted({f"{s.split(' ')[0]} {s.split('/')[-1]}" for s in sent})})
     assert len(sent) <= children + 3, "\n".join(sent)
 
     # kubectl get rlj tells the story in its columns.

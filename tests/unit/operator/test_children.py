@@ -9,7 +9,6 @@ import pytest
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
-
 from specrl.operator import children
 from specrl.runtime.api import RLJob, parse_job
 

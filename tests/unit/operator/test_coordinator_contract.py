@@ -7,7 +7,6 @@ table (`WorkerTable`) plus fixed step signals, so the drain and retire semantics
 from __future__ import annotations
 
 import pytest
-
 from specrl.operator import actuator, children
 from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError, DrainRejected
 from specrl.operator.rebalance import Signals

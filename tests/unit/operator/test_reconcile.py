@@ -10,7 +10,6 @@ import copy
 from typing import Any
 
 import pytest
-
 from specrl.operator import children
 from specrl.operator.coordinator_client import CoordinatorError
 from specrl.operator.reconcile import OperatorConfig, PodInfo, Runtime, reconcile
@@ -137,7 +136,7 @@ def pod_names(kube):
 
 
 async def test_create_builds_every_child_once_and_reports_pending(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, _coord, events, _ = env
     body = copy.deepcopy(JOB)
     patch = await run(rt, kube, body, "create")
     assert pod_names(kube) == ["j-coordinator-0", "j-rollout-0", "j-rollout-1", "j-trainer-0", "j-trainer-1"]
@@ -152,7 +151,7 @@ async def test_create_builds_every_child_once_and_reports_pending(env):
 
 
 async def test_timer_with_nothing_to_change_writes_nothing(env):
-    rt, kube, coord, events, clock = env
+    rt, kube, _coord, _events, clock = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     await run(rt, kube, body)  # Pending -> Running (coordinator answered)
@@ -165,7 +164,7 @@ async def test_timer_with_nothing_to_change_writes_nothing(env):
 
 
 async def test_queue_backlog_moves_a_trainer_to_rollout_draining_first(env):
-    rt, kube, coord, events, clock = env
+    rt, kube, coord, events, _clock = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     await run(rt, kube, body)
@@ -192,7 +191,7 @@ async def test_queue_backlog_moves_a_trainer_to_rollout_draining_first(env):
 
 
 async def test_unreachable_coordinator_degrades_and_makes_no_move(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, coord, _events, _ = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     await run(rt, kube, body)
@@ -209,7 +208,7 @@ async def test_unreachable_coordinator_degrades_and_makes_no_move(env):
 
 
 async def test_suspend_deletes_workers_and_resume_recreates_them(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, _coord, _events, _ = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     body["spec"]["suspend"] = True
@@ -225,7 +224,7 @@ async def test_suspend_deletes_workers_and_resume_recreates_them(env):
 
 
 async def test_invalid_cross_field_spec_fails_with_the_field_path_and_creates_nothing(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, _coord, _events, _ = env
     body = copy.deepcopy(JOB)
     body["spec"]["resources"]["totalGPUs"] = 3  # 2 + 2 pods x 1 GPU do not fit
     patch = await run(rt, kube, body, "create")
@@ -240,7 +239,7 @@ async def test_invalid_cross_field_spec_fails_with_the_field_path_and_creates_no
 
 
 async def test_immutable_model_change_is_rejected_with_a_condition(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, _coord, _events, _ = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     body["spec"]["model"]["name"] = "builtin:small"
@@ -261,7 +260,7 @@ async def test_immutable_model_change_is_rejected_with_a_condition(env):
 
 
 async def test_pod_failures_back_off_then_fail_the_job(env):
-    rt, kube, coord, events, clock = env
+    rt, kube, _coord, events, clock = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     delays = []
@@ -292,7 +291,7 @@ async def test_pod_failures_back_off_then_fail_the_job(env):
 
 
 async def test_completion_releases_workers(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, coord, _events, _ = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     coord.state.update(complete=True, phase="Complete", step=20)
@@ -303,7 +302,7 @@ async def test_completion_releases_workers(env):
 
 
 async def test_pending_move_is_finished_after_a_restart(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, _coord, _events, _ = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     await run(rt, kube, body)
@@ -319,10 +318,22 @@ async def test_pending_move_is_finished_after_a_restart(env):
 
 
 async def test_spec_replica_edit_wins_over_rebalanced_allocation(env):
-    rt, kube, coord, events, _ = env
+    rt, kube, _coord, _events, _ = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     body["spec"]["resources"]["trainer"]["replicas"] = 1
     body["spec"]["resources"]["rollout"]["replicas"] = 3
     await run(rt, kube, body, "update")
     assert pod_names(kube) == ["j-coordinator-0", "j-rollout-0", "j-rollout-1", "j-rollout-2", "j-trainer-0"]
+
+
+async def test_coordinator_not_up_yet_keeps_the_job_pending_not_degraded(env):
+    rt, kube, coord, events, _ = env
+    body = copy.deepcopy(JOB)
+    await run(rt, kube, body, "create")
+    coord.fail = True
+    await run(rt, kube, body)
+    st = body["status"]
+    assert st["phase"] == "Pending" and "waiting for the coordinator" in st["message"]
+    assert get_condition(st, "Degraded")["status"] == "False"
+    assert not [e for e in events if e[0] == "Warning"]

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 from prometheus_client import generate_latest
-
 from specrl.operator import metrics as m
 from specrl.operator.rbac import RBAC_RULES
 from specrl.operator.status import get_condition, set_condition, status_patch, transitions
