@@ -336,8 +336,9 @@ class BucketedEpsilonGreedy:
     def choose(self, batch: int, prior: Callable[[Decision], float] | None = None) -> tuple[Decision, bool]:
         """(arm, explored). Unmeasured arms are scored by `prior` (the cost model), else tried first.
 
-        Exploration is uniform over the arms still in contention: those with fewer than `min_samples`
-        measurements, or whose median is within `explore_gap` of the best arm's. Arms measured to be clearly
+        Exploration is uniform over the arms still in contention: those whose median (or, unmeasured, prior)
+        is within `explore_gap` of the best arm's (without a prior, also those with fewer than `min_samples`
+        measurements). Arms measured to be clearly
         worse are re-explored only at a tenth of the rate, so exploring 16 arms does not cost 10% of goodput
         for ever, yet a drafter that improves (it is trained during the job) is still noticed.
         """
@@ -352,8 +353,11 @@ class BucketedEpsilonGreedy:
         best = max(self.arms, key=lambda a: (value(a), not is_speculative(a), -a.gamma))
         if self._rng.random() < self.epsilon:
             top = value(best)
+            # With a prior, unmeasured arms compete on their predicted value (a proposer the cost model says is
+            # 10x too slow is not worth three trial steps); without one, every arm gets `min_samples` tries.
             contenders = [a for a in self.arms
-                          if self.samples(b, a) < self.min_samples or value(a) >= (1 - self.explore_gap) * top]
+                          if value(a) >= (1 - self.explore_gap) * top
+                          or (prior is None and self.samples(b, a) < self.min_samples)]
             pool = self.arms if (self._rng.random() < 0.1 or not contenders) else contenders
             return self._rng.choice(pool), True
         return best, False
@@ -446,6 +450,55 @@ def round_alpha_from_record(record: StepRecord) -> float | None:
     return alpha_from_mean_accepted(record.accepted_tokens / drafting, record.gamma)
 
 
+class ArCostFit:
+    """Seconds of one plain decode step as a function of batch size: t(b) = c0 + c1·b, least squares over the
+    calibration points and the AR steps measured while running (a low quantile per batch size).
+
+    Rewards inside a bucket are normalised by t(b)/b so steps taken at b=5 and b=20 compare; a straight line
+    keeps that normalisation monotone even when individual measurements are noisy.
+    """
+
+    def __init__(self, calibrated: Mapping[int, float] | None = None, window: int = 64, refit_every: int = 32) -> None:
+        self._samples: dict[int, deque[float]] = {}
+        for b, t in (calibrated or {}).items():
+            self._samples[int(b)] = deque([float(t)] * 3, maxlen=window)
+        self.window = window
+        self.refit_every = refit_every
+        self._since = 0
+        self._fit: tuple[float, float] | None = None
+        self._refit()
+
+    def add(self, batch: int, seconds: float) -> None:
+        self._samples.setdefault(batch, deque(maxlen=self.window)).append(seconds)
+        self._since += 1
+        if self._fit is None or self._since >= self.refit_every:
+            self._refit()
+
+    def _refit(self) -> None:
+        self._since = 0
+        pts = [(float(b), low_percentile(list(xs))) for b, xs in self._samples.items() if xs]
+        if not pts:
+            self._fit = None
+            return
+        if len(pts) == 1:
+            b, t = pts[0]
+            self._fit = (0.0, t / b)
+            return
+        mb = sum(b for b, _ in pts) / len(pts)
+        mt = sum(t for _, t in pts) / len(pts)
+        var = sum((b - mb) ** 2 for b, _ in pts)
+        c1 = max(sum((b - mb) * (t - mt) for b, t in pts) / var, 0.0) if var > 0 else 0.0
+        c0 = mt - c1 * mb
+        floor = min(t for _, t in pts) * 0.5  # a line fitted through noise must not predict ~0 s at b=1
+        self._fit = (max(c0, floor), c1)
+
+    def seconds(self, batch: int) -> float | None:
+        if self._fit is None:
+            return None
+        c0, c1 = self._fit
+        return c0 + c1 * batch
+
+
 class AdaptiveController:
     """(a) toggle + (b) draft length + (c) bucketed bandit; see the module docstring.
 
@@ -465,6 +518,7 @@ class AdaptiveController:
         arms = ([AR] if s.toggle else []) + [Decision(m, g) for m in self.methods for g in s.arm_gammas()]
         self.bandit = BucketedEpsilonGreedy(arms or [AR], thresholds=s.buckets, epsilon=s.epsilon, window=s.window,
                                             seed=s.seed)
+        self.ar_cost = ArCostFit(cost_model.target_step if cost_model is not None else None)
         self.current: Decision = AR
         self._counts: dict[str, dict[str, int]] = {}
         self.steps = 0
@@ -523,11 +577,11 @@ class AdaptiveController:
                 self.acceptance.observe(decision.method, alpha)
         # Goodput counts every token the step produced for its sequences; a sequence that stopped early emits
         # fewer, which is the same for every arm, so it does not bias the comparison.
+        if not is_speculative(decision):
+            self.ar_cost.add(batch, seconds)
         tokens_per_s = max(record.emitted_tokens, 0) / seconds
-        if self.cost_model is not None:
-            reward = tokens_per_s * self.cost_model.t_ar(batch) / batch
-        else:
-            reward = tokens_per_s
+        t_ar = self.ar_cost.seconds(batch)
+        reward = tokens_per_s * t_ar / batch if t_ar is not None else tokens_per_s
         self.bandit.update(batch, decision, reward)
 
     # -- visibility -----------------------------------------------------------------------------------------
@@ -663,6 +717,15 @@ class Calibration:
         }
 
 
+def low_percentile(xs: Sequence[float], q: float = 0.2) -> float:
+    """The q-quantile of timings: on a shared machine other processes only ever add time, so a low quantile
+    estimates the intrinsic cost far more stably than the median (the minimum would be too optimistic)."""
+    ordered = sorted(xs)
+    if not ordered:
+        raise ValueError("no samples")
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
 def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[str] | None = None,
               batch_sizes: Sequence[int] = DEFAULT_CALIBRATION_BATCH_SIZES, gammas: Sequence[int] = (2, 6),
               steps: int = 10, rounds: int = 2, seed: int = 0,
@@ -672,7 +735,8 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
     For every batch size b (prompts are cycled to fill it) the engine decodes with plain steps (-> the target
     step cost t(b)) and with every proposer at every γ in `gammas` (-> the verify cost of γ+1 tokens from the
     target part of the step, and the draft cost split into a per-token part r and a fixed per-round part from
-    the two γ). Only steps that ran at exactly batch b count; medians resist the machine's noise. The engine's
+    the two γ). Only steps that ran at exactly batch b count; a low quantile of the samples resists the noise of a
+    shared machine. The engine's
     controller is restored afterwards; its stats keep the calibration steps (they are real decode steps).
     """
     from specrl.runtime.engine.sampling import SamplingParams
@@ -719,13 +783,13 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
                         alphas[m] += [(a, r.batch_size) for r in recs
                                       if (a := round_alpha_from_record(r)) is not None]
         for b in sizes:
-            target_step[b] = statistics.median(ar_samples[b])
+            target_step[b] = low_percentile(ar_samples[b])
             verify.setdefault(b, {})[1] = [target_step[b]]
         for m, by_b in draft_samples.items():
             for b, by_g in by_b.items():
                 for g, xs in by_g.items():
                     if xs:
-                        draft_by[m].setdefault(b, {})[g] = statistics.median(xs)
+                        draft_by[m].setdefault(b, {})[g] = low_percentile(xs)
     finally:
         engine.controller = saved
 
@@ -742,7 +806,8 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
                 c, a = by_g[gs[0]] / gs[0], 0.0
             draft_step[m][b], overhead[m][b] = c, a
     model = CostModel(target_step=target_step,
-                      verify_step={b: {k: statistics.median(v) for k, v in by_k.items() if v} for b, by_k in verify.items()},
+                      verify_step={b: {k: low_percentile(v) for k, v in by_k.items() if v}
+                                   for b, by_k in verify.items()},
                       draft_step={m: d for m, d in draft_step.items() if d},
                       overhead={m: o for m, o in overhead.items() if o})
     alpha = {m: sum(a * w for a, w in obs) / sum(w for _, w in obs) for m, obs in alphas.items() if obs}

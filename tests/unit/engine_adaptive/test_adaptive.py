@@ -293,3 +293,18 @@ def test_exploration_concentrates_on_contenders() -> None:
     # the clearly worse arms (0.5, 1.0 vs best 1.6) are explored far less than the close contender (1.5)
     assert picks[arms[3]] > 4 * picks[arms[1]] and picks[arms[3]] > 4 * picks[AR]
     assert picks[arms[1]] > 0  # but never forgotten
+
+
+def test_ar_cost_fit_is_monotone_under_noise() -> None:
+    from specrl.runtime.engine.adaptive import ArCostFit
+
+    # calibration noise made b=4 look slower than b=16; the fitted line stays increasing and near the truth
+    fit = ArCostFit({1: 1.4e-3, 2: 3.5e-3, 4: 12.8e-3, 8: 16.7e-3, 16: 10.2e-3})
+    seconds = [fit.seconds(b) for b in (1, 2, 4, 8, 16)]
+    assert seconds == sorted(seconds) and all(s > 0 for s in seconds)
+    rng = random.Random(0)
+    for _ in range(400):  # measured AR steps (true cost 2 ms + 0.5 ms per sequence, plus contention spikes)
+        b = rng.choice([1, 4, 16])
+        fit.add(b, (2e-3 + 0.5e-3 * b) * (1 + (5 * rng.random() if rng.random() < 0.3 else 0.05 * rng.random())))
+    assert fit.seconds(16) == pytest.approx(10e-3, rel=0.4)  # b=2 and b=8 keep their calibration points
+    assert fit.seconds(1) == pytest.approx(2.5e-3, rel=0.6)
