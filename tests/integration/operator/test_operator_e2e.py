@@ -325,6 +325,33 @@ def test_kill_mid_reconcile_and_restart_converges_exactly(kube: KubeEnv, operato
     _report("kill_restart", {"pods_before_kill": partial, "pods_after": len(want), "pod_create_requests": len(creates)})
 
 
+def test_failed_pod_is_recreated_with_backoff_then_the_job_fails(kube: KubeEnv, operator: OperatorProcess):
+    ns = namespace(kube, "flaky")
+    name = "flaky"
+    apply(kube, small_job(name, ns, backoffLimit=1))
+    kube.coordinator.set(ns, name)
+    wait_for(lambda: role_counts(kube, ns, name) == {"trainer": 1, "rollout": 1, "coordinator": 1}, 20, "pods")
+
+    def fail(pod: str) -> str:
+        uid = kube.pods(ns, name)[pod]["metadata"]["uid"]
+        # What a kubelet reports when the container exits non-zero under restartPolicy Never.
+        kube.kubectl("patch", "pod", pod, "-n", ns, "--subresource=status", "--type=merge", "-p",
+                     json.dumps({"status": {"phase": "Failed", "containerStatuses": [{
+                         "name": "rollout", "state": {"terminated": {"reason": "Error", "exitCode": 137}}}]}}))
+        return uid
+
+    uid = fail(f"{name}-rollout-0")
+    wait_for(lambda: (p := kube.pods(ns, name).get(f"{name}-rollout-0")) and p["metadata"]["uid"] != uid, 20,
+             "the failed pod to be replaced by a new one")
+    st = status(kube, ns, name)
+    assert st["restarts"] == 1 and "exit code 137" in st["lastFailure"]["reason"]
+    fail(f"{name}-rollout-0")
+    st = wait_for(lambda: (s := status(kube, ns, name)).get("phase") == "Failed" and s, 20, "phase Failed")
+    assert condition(st, "Failed")["reason"] == "BackoffLimitExceeded"
+    wait_for(lambda: role_counts(kube, ns, name) == {"trainer": 0, "rollout": 0, "coordinator": 1}, 20,
+             "workers released after the job failed")
+
+
 def test_graceful_shutdown_on_sigterm(kube: KubeEnv, operator: OperatorProcess):
     code = operator.stop()
     assert code == 0, operator.tail()
