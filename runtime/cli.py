@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list presets")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline plot")
+    p.add_argument("--from-bench", default=None, metavar="JSON",
+                   help="predict the SD speedups `specrl bench rollout --json` measured, from its measured costs")
 
     p = sub.add_parser("worker", help="pod entrypoint of a job's coordinator, trainer or rollout worker")
     p.add_argument("role", choices=["coordinator", "trainer", "rollout"])

@@ -37,6 +37,8 @@ def _table(report: Report) -> Table:
 
 def main(args: argparse.Namespace) -> int:
     console = Console(width=max(150, Console().width))
+    if args.from_bench:
+        return _from_bench(console, args)
     if args.list:
         for name in list_presets():
             console.print(f"{name}: {load_scenario(preset=name).description.strip()}")
@@ -61,4 +63,25 @@ def main(args: argparse.Namespace) -> int:
         from specrl.runtime.sim.plot import timeline
 
         console.print(f"timeline: {timeline(report, args.plot)}")
+    return 0
+
+
+def _from_bench(console: Console, args: argparse.Namespace) -> int:
+    from specrl.runtime.sim.calibrated import predict_bench
+
+    try:
+        bench = json.loads(Path(args.from_bench).read_text())
+        rows = predict_bench(bench)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"specrl simulate: {args.from_bench}: {exc}", file=sys.stderr)
+        return 2
+    t = Table(title=f"simulator vs measured on this machine ({args.from_bench})")
+    for col in ("config", "acceptance length", "measured speedup", "predicted speedup", "error"):
+        t.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        t.add_row(r["name"], f"{r['acceptance_length']:.2f}", f"{r['measured_speedup']:.2f}x",
+                  f"{r['predicted_speedup']:.2f}x", f"{r['relative_error']:+.0%}")
+    console.print(t)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"from_bench": args.from_bench, "configs": rows}, indent=2))
     return 0

@@ -9,11 +9,10 @@ replaces the roofline for the target step and the draft/verify ratios.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
-from specrl.runtime.engine.adaptive import expected_tokens_per_round
+from specrl.runtime.engine.adaptive import CostModel as EngineCostModel, expected_tokens_per_round
 from specrl.runtime.sim.hardware import GPU, ModelSpec, gpu as gpu_named, model as model_named
 from specrl.runtime.sim.scenario import Calibration, Scenario
 
@@ -60,6 +59,7 @@ class CostModel:
         spec = scenario.speculative
         self.draft_spec: ModelSpec | None = model_named(spec.draft_model) if spec.draft_model else None
         self.calibration: Calibration | None = scenario.calibration
+        self.measured = _engine_cost_model(scenario.calibration) if scenario.calibration else None
 
     # -- forward passes ------------------------------------------------------------------------------------
     def _forward(self, m: ModelSpec, batch: int, ctx_sum: float, tokens_per_seq: int, weight_scale: float = 1.0,
@@ -78,19 +78,22 @@ class CostModel:
         return self.eff.step_overhead_ms * 1e-3 + self.eff.per_seq_overhead_us * 1e-6 * batch
 
     def target_step(self, batch: int, ctx_sum: float) -> float:
-        if self.calibration is not None:
-            return _interp(self.calibration.target_step_seconds, batch)
+        if self.measured is not None:
+            return self.measured.t_ar(batch)
         return self._forward(self.model, batch, ctx_sum, 1) + self._overhead(batch)
 
     def verify_step(self, batch: int, ctx_sum: float, gamma: int) -> float:
-        if self.calibration is not None:
-            return _interp(self.calibration.verify_ratio, batch) * self.target_step(batch, ctx_sum)
+        """One verification pass, including the proposer's fixed per-round cost when it was measured."""
+        if self.measured is not None:
+            method = self.s.speculative.drafter
+            extra = self.measured.round_overhead(method, batch) if method in self.measured.overhead else 0.0
+            return (self.measured.v(batch, gamma) + extra) * self.measured.t_ar(batch)
         return self._forward(self.model, batch, ctx_sum, gamma + 1) + self._overhead(batch)
 
     def draft_step(self, batch: int, ctx_sum: float) -> float:
         """One drafted token for the whole batch, by the scenario's drafter kind."""
-        if self.calibration is not None:
-            return self.calibration.draft_ratio * self.target_step(batch, ctx_sum)
+        if self.measured is not None:
+            return self.measured.r(self.s.speculative.drafter, batch) * self.measured.t_ar(batch)
         spec, m = self.s.speculative, self.model
         kind = spec.drafter
         small = self.eff.step_overhead_ms * 1e-3 * 0.25  # drafters run inside the same graph launch
@@ -124,8 +127,8 @@ class CostModel:
     def prefill(self, sequences: int, prompt_tokens: int) -> float:
         if sequences <= 0:
             return 0.0
-        if self.calibration is not None:
-            return 0.0  # the calibrated CPU bench folds prefill into its measured step costs
+        if self.measured is not None:
+            return 0.0  # prefill of the short task prompts is inside the measured step costs
         flops = 2.0 * self.model.active_params * sequences * prompt_tokens
         return flops / (self.gpu.flops * self.eff.prefill_mfu * self.tp) + self._overhead(sequences)
 
@@ -144,14 +147,11 @@ class CostModel:
         return bytes_ / (link * 1e9 * self.eff.sync_efficiency)
 
 
-def _interp(table: dict[int, float], batch: int) -> float:
-    """Piecewise-linear in batch size over the measured points, flat outside them."""
-    keys = sorted(table)
-    if batch <= keys[0]:
-        return table[keys[0]]
-    if batch >= keys[-1]:
-        return table[keys[-1]]
-    i = bisect.bisect_left(keys, batch)
-    lo, hi = keys[i - 1], keys[i]
-    w = (batch - lo) / (hi - lo)
-    return table[lo] * (1 - w) + table[hi] * w
+def _engine_cost_model(c: Calibration) -> EngineCostModel:
+    """Rebuild the engine's cost model from its calibration summary (ratios are in units of a target step)."""
+    target = {b: ms / 1e3 for b, ms in c.target_step_ms.items()}
+    verify = {b: {1: t, **{g + 1: c.v[b][g] * t for g in c.v.get(b, {})}} for b, t in target.items()}
+    def seconds(ratios: dict[str, dict[int, float]]) -> dict[str, dict[int, float]]:
+        return {m: {b: x * target[b] for b, x in by_b.items() if b in target} for m, by_b in ratios.items()}
+
+    return EngineCostModel(target_step=target, verify_step=verify, draft_step=seconds(c.r), overhead=seconds(c.overhead))

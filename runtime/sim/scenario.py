@@ -23,7 +23,7 @@ class _Strict(BaseModel):
 
 class Cluster(_Strict):
     gpu: str = Field("H100", description="accelerator name from data/hardware.yaml")
-    gpus: int = Field(8, ge=2, description="GPUs in the job's pool (trainer + rollout)")
+    gpus: int = Field(8, ge=1, description="GPUs in the job's pool (trainer + rollout)")
 
 
 class Efficiency(_Strict):
@@ -56,6 +56,7 @@ class Response(_Strict):
     min: int = Field(16, ge=1)
     max: int = Field(16384, ge=1, description="max new tokens: responses are truncated here")
     lengths: list[int] = Field(default_factory=list, description="empirical lengths (distribution: empirical)")
+    exact: bool = Field(False, description="empirical: use exactly these lengths every step instead of resampling")
     metrics_file: str | None = Field(None, description="a `specrl run` metrics.jsonl to take empirical lengths from")
 
 
@@ -129,13 +130,16 @@ class Expect(_Strict):
 
 
 class Calibration(_Strict):
-    """Measured costs that replace the roofline (from `specrl bench rollout --json`)."""
+    """Costs measured on a real machine that replace the roofline: the `calibration` section that
+    `specrl bench rollout --json` writes (the engine's own cost model, in units of one target step)."""
 
-    target_step_seconds: dict[int, float] = Field(description="batch size -> seconds of one AR decode step")
-    draft_ratio: float = Field(gt=0, description="draft step / target step")
-    verify_ratio: dict[int, float] = Field(description="batch size -> verify(gamma+1 tokens) / target step")
-    measured_speedup: float | None = None
-    measured_acceptance_length: float | None = None
+    target_step_ms: dict[int, float] = Field(description="batch size -> ms of one plain decode step")
+    v: dict[int, dict[int, float]] = Field(description="batch -> gamma -> verify(gamma+1 tokens) / target step")
+    r: dict[str, dict[int, float]] = Field(default_factory=dict, description="proposer -> batch -> draft / target step")
+    overhead: dict[str, dict[int, float]] = Field(default_factory=dict,
+                                                  description="proposer -> batch -> fixed per-round cost / target step")
+    alpha: dict[str, float] = Field(default_factory=dict, description="acceptance seen while calibrating")
+    seconds: float | None = None
 
 
 class Scenario(_Strict):
@@ -159,6 +163,8 @@ class Scenario(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "Scenario":
         if self.placement == "split":
+            if self.cluster.gpus < 2:
+                raise ValueError("cluster.gpus: a split placement needs at least 2 GPUs")
             t = self.trainer_gpus if self.trainer_gpus is not None else self.cluster.gpus // 2
             if not 1 <= t < self.cluster.gpus:
                 raise ValueError(f"trainer_gpus: must be between 1 and cluster.gpus-1 ({self.cluster.gpus - 1}), got {t}")

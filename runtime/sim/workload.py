@@ -38,5 +38,5 @@ def step_lengths(w: Workload, step: int) -> np.ndarray:
         x = xm * (1 + rng.pareto(r.alpha, n))
     else:
         pool = np.asarray(empirical_lengths(r), dtype=float) * scale
-        x = rng.choice(pool, n)
+        x = rng.permutation(pool) if r.exact else rng.choice(pool, n)
     return np.clip(np.rint(x), r.min, r.max).astype(np.int64)

@@ -60,8 +60,7 @@ def test_speculation_policy_switches_off_at_large_batch() -> None:
 
 
 def test_instance_simulation_matches_closed_form_with_flat_costs() -> None:
-    s = scenario(calibration={"target_step_seconds": {1: 0.01}, "draft_ratio": 0.1, "verify_ratio": {1: 1.0}},
-                 speculative={"drafter": "none"})
+    s = scenario(calibration={"target_step_ms": {1: 10.0}, "v": {1: {2: 1.0}}}, speculative={"drafter": "none"})
     costs = CostModel(s)
     run = simulate_instance([100, 300, 50], 10, 8, costs, SpeculationPolicy(s.speculative, costs), 0.0)
     assert run.finish == pytest.approx(300 * 0.01)  # all decode together: the longest one sets the time
@@ -72,12 +71,14 @@ def test_instance_simulation_matches_closed_form_with_flat_costs() -> None:
 
 
 def test_instance_simulation_with_speculation_uses_expected_tokens_per_iteration() -> None:
-    s = scenario(calibration={"target_step_seconds": {1: 0.01}, "draft_ratio": 0.05, "verify_ratio": {1: 1.1}},
+    # the bench's calibration format: verify(5 tokens) = 1.1 target steps, a draft step 0.05, round overhead 0.02
+    s = scenario(calibration={"target_step_ms": {1: 10.0, 16: 10.0}, "v": {1: {4: 1.1}, 16: {4: 1.1}},
+                              "r": {"draft_model": {1: 0.05, 16: 0.05}}, "overhead": {"draft_model": {1: 0.02, 16: 0.02}}},
                  speculative={"drafter": "draft_model", "draft_model": "Qwen3-0.6B", "policy": "always",
                               "num_speculative_tokens": 4, "overhead_ms": 0.0})
     costs = CostModel(s)
     run = simulate_instance([1000], 10, 8, costs, SpeculationPolicy(s.speculative, costs), 0.8)
-    per_iter = 4 * 0.05 * 0.01 + 1.1 * 0.01
+    per_iter = (4 * 0.05 + 1.1 + 0.02) * 0.01
     assert run.finish == pytest.approx(1000 / expected_tokens_per_round(0.8, 4) * per_iter)
 
 
