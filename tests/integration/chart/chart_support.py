@@ -259,10 +259,11 @@ def free_port() -> int:
 
 @dataclass
 class Prometheus:
-    """A real Prometheus (Debian package) on 127.0.0.1 scraping the given `host:port` targets every second.
+    """A real Prometheus (Debian package) on 127.0.0.1 scraping `host:port` targets every second.
 
-    `honor_labels: true` as the chart's ServiceMonitor/PodMonitor set it, so the `job`/`namespace` labels the
-    runtime exports win over the scrape job's.
+    Targets come from a file_sd file, so `set_targets()` can add processes that start later (their ports are
+    only known then). `honor_labels: true` as the chart's ServiceMonitor/PodMonitor set it, so the
+    `job`/`namespace` labels the runtime exports win over the scrape job's.
     """
 
     targets: list[str]
@@ -278,9 +279,11 @@ class Prometheus:
         config = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
             "scrape_configs": [{"job_name": "specrl", "honor_labels": True, "metrics_path": "/metrics",
-                                "static_configs": [{"targets": self.targets}]}],
+                                "file_sd_configs": [{"files": [str(root / "targets.json")],
+                                                     "refresh_interval": "1s"}]}],
         }
         (root / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.set_targets(self.targets)
         check = run([tool("promtool"), "check", "config", str(root / "prometheus.yml")])
         assert check.returncode == 0, check.stdout + check.stderr
         self.log = open(root / "prometheus.log", "wb")
@@ -312,6 +315,14 @@ class Prometheus:
         self.log.close()
         if self.tmp is not None:
             self.tmp.cleanup()
+
+    def set_targets(self, targets: list[str]) -> None:
+        assert self.tmp is not None
+        self.targets = list(targets)
+        path = Path(self.tmp.name) / "targets.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([{"targets": self.targets}]))
+        tmp.rename(path)  # atomic: Prometheus never reads a half-written file
 
     def logs(self) -> str:
         assert self.tmp is not None

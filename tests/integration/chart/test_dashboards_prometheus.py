@@ -1,12 +1,12 @@
 """Every dashboard query against a real Prometheus scraping a real `specrl run` and a real `specrl operator`.
 
 * `promtool check rules` parses every panel, annotation and variable expression (wrapped as recording rules).
-* End to end: `specrl run examples/tiny-local.yaml` (local mode: the coordinator's /metrics re-exports every
-  worker's series) and `specrl operator` reconciling the same RLJob in the Kubernetes emulator, with its
+* End to end: `specrl run` of examples/tiny-local.yaml on the runtime tests' micro models (local mode: the
+  coordinator's /metrics re-exports every worker's series) and `specrl operator` reconciling the same RLJob in the Kubernetes emulator, with its
   coordinator URL pointed at the local run's coordinator, are scraped every second by Prometheus (Debian
   package) with `honor_labels` as the chart's monitors set it. While the run lasts, every query is evaluated
-  with the dashboard variables set as Grafana would (first discovered value, and "All" = `.*`), and each must
-  return at least one series with a finite value at some point.
+  with the dashboard variables set as Grafana would (each namespace offered with its first job, and "All" =
+  `.*`); each must return a series with a finite value at some point, under "All" and under a selected job.
 
 Queries of events that a short healthy run does not produce (a completed rebalance) are listed in
 EVENT_ONLY: they must be valid and their metric family must be exported, and the report says whether they
@@ -15,6 +15,7 @@ returned data.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -47,7 +48,7 @@ BOARDS = load_dashboards()
 # Counters that only move on a completed elastic move; nothing else makes them non-empty.
 EVENT_ONLY = {"specrl_operator_rebalance_total"}
 EVENT_ONLY_WHERE = {"job.json: annotation 'Rebalances'"}
-RUN_STEPS = 3
+RUN_STEPS = 25
 
 
 def all_queries() -> list[tuple[str, str]]:
@@ -113,54 +114,79 @@ def scrape_labels(url: str) -> tuple[str, str]:
     return labels["namespace"], labels["job"]
 
 
+def micro_job(path: Path, steps: int) -> Path:
+    """examples/tiny-local.yaml on the runtime tests' micro policy and drafter (built in seconds, then cached)."""
+    spec = importlib.util.spec_from_file_location("specrl_rlrun_micro", REPO / "tests/integration/rlrun/micro.py")
+    assert spec and spec.loader
+    micro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(micro)
+    policy, draft = micro.micro_models()
+    job = yaml.safe_load((REPO / "examples" / "tiny-local.yaml").read_text())
+    job["metadata"] = {"name": "chart-e2e", "namespace": "localhost"}
+    job["spec"]["model"]["name"] = str(policy)
+    job["spec"]["speculative"]["draftModel"] = str(draft)
+    job["spec"]["algorithm"].update(steps=steps, promptsPerStep=8, groupSize=2, maxNewTokens=32)
+    job["spec"]["dataset"]["synthetic"]["size"] = 128
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
 @pytest.mark.slow
 def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
-    env = {**os.environ, "SPECRL_FORCE_PROGRESS": ""}
+    job_file = micro_job(tmp_path / "job.yaml", RUN_STEPS)
     specrl = str(Path(sys.executable).parent / "specrl")
-    job_file = REPO / "examples" / "tiny-local.yaml"
-    run_proc = subprocess.Popen(
-        [specrl, "run", str(job_file), "--steps", str(RUN_STEPS), "--no-progress", "--out", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    tail = Tail(run_proc)
     op = None
-    try:
-        coord = tail.wait_for(r"coordinator API (http://127\.0\.0\.1:(\d+))", run_proc, timeout=600)
-        coord_url, coord_port = coord.group(1), int(coord.group(2))
-        namespace, job = scrape_labels(f"{coord_url}/metrics")
+    with Prometheus([]) as prom:
+        run_proc = subprocess.Popen(
+            [specrl, "run", str(job_file), "--no-progress", "--out", str(tmp_path / "run")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            env={**os.environ, "SPECRL_FORCE_PROGRESS": ""})
+        tail = Tail(run_proc)
+        try:
+            coord = tail.wait_for(r"coordinator API (http://127\.0\.0\.1:(\d+))", run_proc, timeout=300)
+            coord_url, coord_port = coord.group(1), int(coord.group(2))
+            prom.set_targets([f"127.0.0.1:{coord_port}"])
+            namespace, job = scrape_labels(f"{coord_url}/metrics")
 
-        # The operator reconciles the same RLJob in the emulator and polls the real coordinator.
-        kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
-        op = start_operator(kubeconfig, tmp_path / "operator.log",
-                            f"--coordinator-url-template={coord_url}", "--poll-interval=1")
-        body = yaml.safe_load(job_file.read_text())
-        body["metadata"] = {"name": job, "namespace": namespace}
-        if namespace != "default":
-            kube.create("v1/namespaces", {"metadata": {"name": namespace}})
-        kube.create("specrl.io/v1alpha1/rljobs", body, namespace=namespace)
+            # The operator reconciles the same RLJob in the emulator and polls the real coordinator through
+            # `http://{namespace}:<port>`: the run's namespace is "localhost", so that resolves; a second RLJob in
+            # namespace "unreachable" has a coordinator nobody can reach (the Degraded / poll-error signal).
+            assert namespace == "localhost", f"the run should label its series with its namespace, got {namespace}"
+            kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
+            op = start_operator(kubeconfig, tmp_path / "operator.log",
+                                f"--coordinator-url-template=http://{{namespace}}:{coord_port}", "--poll-interval=1")
+            prom.set_targets([f"127.0.0.1:{coord_port}", f"127.0.0.1:{op.metrics_port}"])
+            body = yaml.safe_load(job_file.read_text())
+            for ns, name in ((namespace, job), ("unreachable", f"{job}-lost")):
+                kube.create("v1/namespaces", {"metadata": {"name": ns}})
+                kube.create("specrl.io/v1alpha1/rljobs", {**body, "metadata": {"name": name, "namespace": ns}},
+                            namespace=ns)
 
-        with Prometheus([f"127.0.0.1:{coord_port}", f"127.0.0.1:{op.metrics_port}"]) as prom:
-            prom.wait_for_scrapes(n=3, timeout=60)
-            results = observe(prom, run_proc, tail, after_exit=8.0)
+            prom.wait_for_scrapes(n=2, timeout=60)
+            results = observe(prom, run_proc, tail, after_exit=6.0)
             metadata = prom.api("metadata")
-    finally:
-        if run_proc.poll() is None:
-            run_proc.terminate()
-            try:
-                run_proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                run_proc.kill()
-        if op is not None:
-            stop(op.proc)
+        finally:
+            if run_proc.poll() is None:
+                run_proc.terminate()
+                try:
+                    run_proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    run_proc.kill()
+            if op is not None:
+                stop(op.proc)
 
-    report = "\n".join(f"  {'ok   ' if r['finite'] else 'EMPTY'} {r['where']}  (max {r['series']} series)"
-                       for r in results.values())
+    def verdict(r: dict[str, Any]) -> str:
+        return "ok   " if r["All"] and r["selected"] else "EMPTY"
+
+    report = "\n".join(f"  {verdict(r)} {r['where']}  (All: {r['All']}, a selected job: {r['selected']}, "
+                       f"max {r['series']} series)" for r in results.values())
     print("dashboard queries against the real run:\n" + report)
     errors = [f"{r['where']}: {r['error']}" for r in results.values() if r["error"]]
     assert not errors, "PromQL errors:\n" + "\n".join(errors)
-    empty = [r for r in results.values() if not r["finite"]
-             and not (metric_names(r["expr"]) & EVENT_ONLY or r["where"] in EVENT_ONLY_WHERE)]
+    empty = [r for r in results.values() if verdict(r) == "EMPTY" and not (
+        set().union(*map(metric_names, r["exprs"])) & EVENT_ONLY or r["where"] in EVENT_ONLY_WHERE)]
     assert not empty, (f"{len(empty)} dashboard queries never returned a finite value:\n{report}\n"
-                       f"run output:\n{tail.text()}")
+                       f"run output:\n{tail.text()}\noperator:\n{op.output() if op else ''}")
     # Event-only queries: their families must at least be exported (HELP/TYPE seen by Prometheus).
     for name in EVENT_ONLY:
         family = name.removesuffix("_total")
@@ -174,12 +200,13 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail, after
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         for name, board in BOARDS.items():
-            for variables in (discover(prom, board), {"namespace": ".*", "job": ".*"}):
+            for variables in [*discover(prom, board), {"namespace": ".*", "job": ".*"}]:
+                choice = "All" if variables["job"] == ".*" else "selected"
                 for q in dashboard_queries(board, name):
-                    key = f"{q.where} [{'All' if variables['job'] == '.*' else 'selected'}]"
+                    r = results.setdefault(q.where, {"where": q.where, "series": 0, "error": "",
+                                                     "All": False, "selected": False, "exprs": set()})
                     expr = substitute(q.expr, variables)
-                    r = results.setdefault(key, {"where": key, "expr": expr, "series": 0, "finite": False,
-                                                 "error": ""})
+                    r["exprs"].add(expr)
                     try:
                         series = prom.query(expr)
                     except Exception as exc:  # noqa: BLE001 - reported with the query, never raised mid-loop
@@ -187,7 +214,7 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail, after
                         continue
                     r["series"] = max(r["series"], len(series))
                     if any(math.isfinite(float(s["value"][1])) for s in series):
-                        r["finite"] = True
+                        r[choice] = True
         if run_proc.poll() is not None:
             ended = ended or time.monotonic()
             if time.monotonic() - ended > after_exit:
@@ -197,14 +224,14 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail, after
     return results
 
 
-def discover(prom: Prometheus, board: dict[str, Any]) -> dict[str, str]:
-    """The dashboard's variables as Grafana first sets them: its label_values() queries, first value each."""
-    values: dict[str, str] = {}
-    for var in board["templating"]["list"]:
-        if var["type"] != "query":
-            continue
-        m = re.fullmatch(r"label_values\((.+), (\w+)\)", var["query"]["query"])
-        assert m, var["query"]["query"]
-        found = prom.label_values(m.group(2), substitute(m.group(1), values))
-        values[var["name"]] = min(found) if found else ".*"
-    return values
+def discover(prom: Prometheus, board: dict[str, Any]) -> list[dict[str, str]]:
+    """The variable settings a user can pick: each namespace the `namespace` query offers, with its first job."""
+    queries = {v["name"]: v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"}
+    ns_metric, ns_label = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["namespace"]).groups()
+    job_metric, job_label = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["job"]).groups()
+    out = []
+    for ns in sorted(prom.label_values(ns_label, ns_metric)):
+        jobs = sorted(prom.label_values(job_label, substitute(job_metric, {"namespace": ns})))
+        if jobs:
+            out.append({"namespace": ns, "job": jobs[0]})
+    return out
