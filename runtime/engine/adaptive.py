@@ -476,20 +476,22 @@ class ArCostFit:
 
     def _refit(self) -> None:
         self._since = 0
-        pts = [(float(b), low_percentile(list(xs))) for b, xs in self._samples.items() if xs]
+        # weighted by the number of samples: runtime measurements soon outweigh the start-up calibration
+        pts = [(float(b), low_percentile(list(xs)), float(len(xs))) for b, xs in self._samples.items() if xs]
         if not pts:
             self._fit = None
             return
         if len(pts) == 1:
-            b, t = pts[0]
+            b, t, _ = pts[0]
             self._fit = (0.0, t / b)
             return
-        mb = sum(b for b, _ in pts) / len(pts)
-        mt = sum(t for _, t in pts) / len(pts)
-        var = sum((b - mb) ** 2 for b, _ in pts)
-        c1 = max(sum((b - mb) * (t - mt) for b, t in pts) / var, 0.0) if var > 0 else 0.0
+        wsum = sum(w for _, _, w in pts)
+        mb = sum(b * w for b, _, w in pts) / wsum
+        mt = sum(t * w for _, t, w in pts) / wsum
+        var = sum(w * (b - mb) ** 2 for b, _, w in pts)
+        c1 = max(sum(w * (b - mb) * (t - mt) for b, t, w in pts) / var, 0.0) if var > 0 else 0.0
         c0 = mt - c1 * mb
-        floor = min(t for _, t in pts) * 0.5  # a line fitted through noise must not predict ~0 s at b=1
+        floor = min(t for _, t, _ in pts) * 0.5  # a line fitted through noise must not predict ~0 s at b=1
         self._fit = (max(c0, floor), c1)
 
     def seconds(self, batch: int) -> float | None:

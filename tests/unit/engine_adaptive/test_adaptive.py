@@ -306,5 +306,5 @@ def test_ar_cost_fit_is_monotone_under_noise() -> None:
     for _ in range(400):  # measured AR steps (true cost 2 ms + 0.5 ms per sequence, plus contention spikes)
         b = rng.choice([1, 4, 16])
         fit.add(b, (2e-3 + 0.5e-3 * b) * (1 + (5 * rng.random() if rng.random() < 0.3 else 0.05 * rng.random())))
-    assert fit.seconds(16) == pytest.approx(10e-3, rel=0.4)  # b=2 and b=8 keep their calibration points
-    assert fit.seconds(1) == pytest.approx(2.5e-3, rel=0.6)
+    assert fit.seconds(16) == pytest.approx(10e-3, rel=0.2)
+    assert fit.seconds(1) == pytest.approx(2.5e-3, rel=0.3)
