@@ -811,7 +811,17 @@ def parse_job(doc: Any, *, source: str = "<input>") -> RLJob:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float, as YAML 1.2 (and kubectl) do."""
+    """SafeLoader that reads `1e-5` as a float, as YAML 1.2 (and kubectl) do, and refuses duplicate keys
+    (the API server's strict decoding does too; PyYAML would silently keep the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(

@@ -76,6 +76,8 @@ def test_validate_reports_each_problem_on_its_own_line(tmp_path: Path, capsys: p
     ("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: j}\nspec: {resources: {totalGPUs: 1}}\n",
      "j: spec.resources.totalGPUs: (trainer.replicas + rollout.replicas) x gpusPerPod = 2 GPUs exceeds totalGPUs 1"),
     ("---\n- 1\n---\napiVersion: v2\nkind: RLJob\n", "<document 1>: <document>: expected a mapping"),
+    ("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: j}\nspec:\n  mode: sync\n  mode: async\n",
+     "invalid YAML at line 6, column 3: duplicate key 'mode'"),
 ])
 def test_validate_bad_input_is_a_problem_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          content: str, expected: str) -> None:
