@@ -475,12 +475,20 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     adaptive_summary = summary("adaptive")
     adaptive_summary["speedup_vs_ar"] = adaptive_summary["tokens_per_s"] / ar_tps if ar_tps else None
 
-    # batch 1: engine AR vs speculative, HF AR, HF assisted
+    sweep = run_sweep(plan, engine, models, available, adaptive, cal, progress, advance)
+    phase("sweep")
+
+    # batch 1: engine AR vs speculative (the draft-model configuration the sweep measured fastest at batch 1,
+    # the same draft HF assisted generation uses), HF AR, HF assisted
     bs1_prompts = prompts[: plan.bs1_prompts]
     bs1 = {"ar": [], "sd": [], "adaptive": [], "hf_ar": [], "hf_assisted": []}
     sd_method = "draft_model" if "draft_model" in available else (available[0] if available else None)
-    sd_gamma = cal.cost_model.best_gamma(sd_method, 1, cal.alpha.get(sd_method, 0.6), range(1, 9))[0] \
-        if sd_method and sd_method in cal.cost_model.draft_step else 4
+    row1 = next((row for row in sweep if row["batch_size"] == 1), None)
+    sd_gamma = 4
+    if row1 is not None and sd_method == "draft_model":
+        best = max((n for n in row1["tokens_per_s"] if n.startswith("draft_model-g")),
+                   key=lambda n: row1["tokens_per_s"][n] or 0.0, default="draft_model-g4")
+        sd_gamma = int(best.rsplit("-g", 1)[1])
     hf_prompts = prompts[: plan.hf_assisted_prompts]
     hf_batched: list[tuple[int, float]] = []
     pad = 0
@@ -508,8 +516,6 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     roofline_tps = bandwidth * 1e9 / bpt
     engine_ar_bs1 = med(bs1["ar"]) or 0.0
 
-    sweep = run_sweep(plan, engine, models, available, adaptive, cal, progress, advance)
-    phase("sweep")
 
     lossless = lossless_checks(plan.lossless_samples, available, progress, n_tokens=2 if plan.quick else 3)
     advance()
