@@ -245,6 +245,13 @@ def test_rebalance_trace_moves_roles_with_drains_before_deletions(kube: KubeEnv,
     total_moves = 2 + 4 + 2 + 2
     assert len(drains) == total_moves
     _report("rebalance_trace", trace)
+    # The same story as Events (kubectl describe rlj) and as columns (kubectl get rlj).
+    events = sorted(kube.objects("v1/events", ns).values(), key=lambda e: e["metadata"]["resourceVersion"])
+    moves = [e["message"] for e in events if e["reason"] in ("QueueBacklog", "LongTail", "TrainerBacklog",
+                                                              "TrainerStarved")]
+    assert len(moves) == total_moves and all("moving" in msg for msg in moves)
+    _report("rebalance_events", moves)
+    _report("kubectl_get_rlj_trace", kube.kubectl("get", "rlj", "-n", ns).stdout.splitlines())
 
 
 def test_suspend_resume_and_delete(kube: KubeEnv, operator: OperatorProcess):
@@ -350,6 +357,40 @@ def test_failed_pod_is_recreated_with_backoff_then_the_job_fails(kube: KubeEnv, 
     assert condition(st, "Failed")["reason"] == "BackoffLimitExceeded"
     wait_for(lambda: role_counts(kube, ns, name) == {"trainer": 0, "rollout": 0, "coordinator": 1}, 20,
              "workers released after the job failed")
+
+
+def test_kill_mid_move_and_restart_finishes_the_same_move(kube: KubeEnv, operator: OperatorProcess):
+    ns = namespace(kube, "midmove")
+    name = "mover"
+    apply(kube, small_job(name, ns, resources={
+        "gpusPerPod": 1, "trainer": {"replicas": 2, "minReplicas": 1}, "rollout": {"replicas": 2, "minReplicas": 1},
+        "totalGPUs": 4}, elastic={"enabled": True, "cooldownSeconds": 600, "hysteresis": 1, "queueHighWatermark": 8,
+                                  "drainTimeoutSeconds": 30}))
+    kube.coordinator.set(ns, name, queueDepth=0, activeSequences=32)
+    wait_for(lambda: status(kube, ns, name).get("phase") == "Running", 20, "phase Running")
+    kube.coordinator.retire_after = 3.0  # a slow safe point: the operator is killed while it waits
+    try:
+        kube.coordinator.set(ns, name, queueDepth=100)
+        st = wait_for(lambda: (s := status(kube, ns, name)).get("pendingMove") and s, 20, "a move in flight")
+        pending = st["pendingMove"]
+        assert condition(st, "Rebalancing")["status"] == "True"
+        wait_for(lambda: any(d["worker"] == pending["victim"] for d in kube.coordinator.drains if d["job"] == (ns, name)),
+                 10, "the drain")
+        operator.kill()
+        assert pending["victim"] in kube.pods(ns, name)  # not deleted before it retired
+        operator.start()
+        want = {f"{name}-coordinator-0", f"{name}-trainer-0", f"{name}-rollout-0", f"{name}-rollout-1",
+                pending["newPod"]}
+        wait_for(lambda: set(kube.pods(ns, name)) == want, 30, f"the move to finish: {want}")
+        st = wait_for(lambda: (s := status(kube, ns, name)).get("pendingMove") is None and s.get("lastRebalance") and s,
+                      20, "the move recorded")
+        assert st["allocation"]["trainer"]["replicas"] == 1 and st["allocation"]["rollout"]["replicas"] == 3
+        time.sleep(1.0)  # cooldown 600 s: nothing else moves, nothing is duplicated
+        assert set(kube.pods(ns, name)) == want
+        _report("kill_mid_move", {"victim": pending["victim"], "new_pod": pending["newPod"],
+                                  "pods_after": sorted(want)})
+    finally:
+        kube.coordinator.retire_after = 0.3
 
 
 def test_graceful_shutdown_on_sigterm(kube: KubeEnv, operator: OperatorProcess):
