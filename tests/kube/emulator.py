@@ -436,9 +436,19 @@ class Emulator(kmock.KubernetesEmulator):
             gvk = [{"group": res.group, "version": res.version, "kind": info.kind}]
             scope = "namespaces/{namespace}/" if info.namespaced else ""
             ref = {"$ref": f"#/components/schemas/{prefix}.{info.kind}"}
-            doc["paths"][f"/{gv}/{scope}{res.plural}/{{name}}"] = {"get": {
-                "x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk[0],
-                "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": ref}}}}}}
+            ok = {"200": {"description": "OK", "content": {"application/json": {"schema": ref}}}}
+            # kubectl looks for `fieldValidation` on these operations to use server-side validation.
+            params = [{"name": "fieldValidation", "in": "query", "schema": {"type": "string", "uniqueItems": True}},
+                      {"name": "dryRun", "in": "query", "schema": {"type": "string", "uniqueItems": True}}]
+            doc["paths"][f"/{gv}/{scope}{res.plural}/{{name}}"] = {
+                "get": {"x-kubernetes-action": "get", "x-kubernetes-group-version-kind": gvk[0], "responses": ok},
+                "put": {"x-kubernetes-action": "put", "x-kubernetes-group-version-kind": gvk[0], "responses": ok,
+                        "parameters": params},
+                "patch": {"x-kubernetes-action": "patch", "x-kubernetes-group-version-kind": gvk[0],
+                          "responses": ok, "parameters": params}}
+            doc["paths"][f"/{gv}/{scope}{res.plural}"] = {
+                "post": {"x-kubernetes-action": "post", "x-kubernetes-group-version-kind": gvk[0],
+                         "responses": ok, "parameters": params}}
             doc["components"]["schemas"][f"{prefix}.{info.kind}"] = {
                 **_clone(schema.schema), "x-kubernetes-group-version-kind": gvk}
             doc["components"]["schemas"][f"{prefix}.{info.kind}List"] = {
@@ -534,6 +544,9 @@ class Emulator(kmock.KubernetesEmulator):
         except AdmissionError as exc:
             kind = self.info(res).kind
             name = obj.get("metadata", {}).get("name", "")
+            if exc.unknown_fields:
+                fields = ", ".join(f'unknown field "{f}"' for f, _m in exc.causes)
+                raise _status(400, "BadRequest", f"strict decoding error: {fields}") from None
             causes = [{"reason": "FieldValueInvalid", "message": f"Invalid value: {m}", "field": f}
                       for f, m in exc.causes]
             text = ", ".join(f"{f}: Invalid value: {m}" for f, m in exc.causes)

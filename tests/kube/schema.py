@@ -25,8 +25,9 @@ from specrl.runtime.crd import to_json_schema
 class AdmissionError(Exception):
     """The object is invalid; `causes` holds (field path, message) pairs."""
 
-    def __init__(self, causes: list[tuple[str, str]]):
+    def __init__(self, causes: list[tuple[str, str]], *, unknown_fields: bool = False):
         self.causes = causes
+        self.unknown_fields = unknown_fields  # strict decoding failed (a 400 on the server, not a 422)
         super().__init__("; ".join(f"{f}: {m}" for f, m in causes))
 
 
@@ -96,7 +97,7 @@ class CRDSchema:
         self._prune(self.schema, obj, "", unknown, top=True)
         warnings = [f'unknown field "{p}"' for p in unknown]
         if unknown and field_validation.lower() == "strict":
-            raise AdmissionError([(p, "field not declared in schema") for p in unknown])
+            raise AdmissionError([(p, "field not declared in schema") for p in unknown], unknown_fields=True)
         if field_validation.lower() == "ignore":
             warnings = []
         self._default(self.schema, obj, top=True)

@@ -54,6 +54,18 @@ def test_kubectl_apply_stores_rljob_and_get_prints_columns(kube, kubectl):
     assert kube.get("specrl.io/v1alpha1/rljobs", "default", "tiny-local") is None
 
 
+def test_kubectl_apply_with_default_validation_uses_server_side_strict_checks(kube, kubectl, tmp_path):
+    # kubectl finds `fieldValidation` in the emulator's OpenAPI v3 and lets the server validate strictly.
+    assert "created" in kubectl("apply", "-f", "examples/qwen3-8b-eagle3.yaml").stdout
+    typo = tmp_path / "typo.yaml"
+    typo.write_text((kube_root := Path(__file__).resolve().parents[3] / "examples" / "tiny-local.yaml").read_text()
+                    .replace("  mode: sync\n", "  mode: sync\n  moed: async\n"))
+    assert kube_root.is_file()
+    proc = kubectl("apply", "-f", str(typo), check=False)
+    assert proc.returncode != 0 and 'unknown field "spec.moed"' in proc.stderr
+    assert kube.get("specrl.io/v1alpha1/rljobs", "default", "tiny-local") is None
+
+
 def test_kubectl_explain_shows_the_crd_descriptions(kubectl):
     out = kubectl("explain", "rljob.spec.speculative").stdout
     assert "KIND:       RLJob" in out and "numSpeculativeTokens" in out and "draft_model" in out
