@@ -108,6 +108,17 @@ class EngineStats:
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=100_000))
+    # The controller's own view (its `stats()` dict, e.g. the adaptive toggle/bandit state), refreshed after
+    # every generate() call when the controller has a `stats()` method.
+    controller: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        """Counters and derived rates (no per-step records), JSON-serialisable."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("steps", "controller")}
+        out["acceptance_length"] = self.acceptance_length
+        out["acceptance_rate"] = self.acceptance_rate
+        out["controller"] = dict(self.controller)
+        return out
 
     @property
     def acceptance_length(self) -> float | None:
@@ -153,7 +164,7 @@ class RolloutEngine:
     ) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be an integer >= 1, got {max_batch_size!r}")
-        self.model = model.eval()
+        self.model = model  # not switched to eval(): the engine never runs its modules, a trainer may own it
         self.speculative = speculative or SpeculativeConfig()
         cfg = model.config
         limit = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -166,6 +177,7 @@ class RolloutEngine:
         self.cache_len = self.max_model_len + self.max_gamma + 1
         self.runner = TransformerRunner(model, max_positions=self.cache_len)
         self.device = self.runner.device
+        self._sync_timing = self.device.type == "cuda"
         self.vocab_size = self.runner.vocab_size
         self.cache = self.runner.new_cache(max_batch_size, self.cache_len)
         self.stats = EngineStats()
@@ -186,7 +198,7 @@ class RolloutEngine:
         if name == "draft_model":
             if draft_model is None:
                 raise ValueError("draft_model: method 'draft_model' needs a draft model (draft_model=...)")
-            return P.DraftModelProposer(draft_model.eval())
+            return P.DraftModelProposer(draft_model)
         if name == "ngram":
             return P.NgramProposer(self.speculative.ngram_min, self.speculative.ngram_max)
         if name == "layer_skip":
@@ -268,6 +280,9 @@ class RolloutEngine:
                 self.stats.steps.append(record)
                 self.controller.observe(decision, record)
             self._retire(active, results)
+        controller_stats = getattr(self.controller, "stats", None)
+        if callable(controller_stats):
+            self.stats.controller = dict(controller_stats())
         return [r for r in results if r is not None]
 
     def _uniforms(self, active: list[_Seq], n: int) -> torch.Tensor:
@@ -379,6 +394,8 @@ class RolloutEngine:
         u = self._uniforms(active, 2 * gamma + 1)
         ctx = DraftContext(tokens=[s.tokens for s in active], sampling=st, uniforms=u[:, :gamma])
         prop = proposer.propose(ctx, gamma)
+        if self._sync_timing:
+            torch.cuda.synchronize(self.device)  # honest draft/target split for the controller's cost model
         t1 = time.perf_counter()
         starts = [len(s.tokens) - 1 for s in active]
         pending = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.int64, device=self.device)

@@ -106,12 +106,13 @@ def train_step(head: EagleHead, optimizer: torch.optim.Optimizer, target: nn.Mod
     """One optimizer step on a batch of token sequences (features computed from the target if not given)."""
     if hidden is None:
         hidden = target_features(target, tokens)
+    was_training = head.training
     head.train()
     optimizer.zero_grad(set_to_none=True)
     loss = eagle_loss(head, target, hidden, tokens, mask)
     loss.backward()
     optimizer.step()
-    head.eval()
+    head.train(was_training)
     return float(loss.detach())
 
 
@@ -183,7 +184,6 @@ class EagleProposer(Proposer):
             self.head = EagleHead.from_target(engine.model)  # freshly initialised (trained later by the runtime)
         if self.head.config.hidden_size != engine.runner.hidden_size:
             raise ValueError("eagle_head: hidden size differs from the target's")
-        self.head.eval()
         self.runner = _EagleRunner(self.head, engine.runner)
         self.cache = self.runner.new_cache(engine.max_batch_size, engine.cache_len)
         self.features = torch.zeros((engine.max_batch_size, engine.cache_len, engine.runner.hidden_size),

@@ -212,3 +212,28 @@ def test_bad_requests_name_the_problem(target) -> None:
     with pytest.raises(ValueError, match="^controller:"):
         RolloutEngine(target, controller=type("C", (), {"decide": lambda s, b: Decision("ngram", 2),
                                                        "observe": lambda s, d, r: None})()).generate([[1]], ok)
+
+
+def test_eagle_head_trains_on_rollouts_and_acceptance_rises() -> None:
+    from specrl.runtime.engine.proposers.eagle import EagleHead, train_step
+
+    model = make_model("llama", layers=2, seed=0, head_std=0.6)
+    head = EagleHead.from_target(model)
+    prompts = [[i % VOCAB, (i * 5) % VOCAB] for i in range(48)]
+    params = SamplingParams(max_new_tokens=20)
+
+    def acceptance() -> float:
+        engine = RolloutEngine(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3), eagle_head=head,
+                               max_batch_size=16, seed=0)
+        engine.generate(prompts[:24], params)
+        return engine.stats.acceptance_length or 0.0
+
+    fresh = acceptance()
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    rollouts = RolloutEngine(model, max_batch_size=48, seed=1)
+    losses = []
+    for _ in range(40):
+        outs = rollouts.generate(prompts, params)
+        losses.append(train_step(head, opt, model, torch.tensor([o.prompt_token_ids + o.token_ids for o in outs])))
+    assert losses[-1] < 0.6 * losses[0]
+    assert acceptance() > fresh + 0.2
