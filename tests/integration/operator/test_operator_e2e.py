@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,15 @@ def test_idle_timer_ticks_write_nothing(kube: KubeEnv, operator: OperatorProcess
     _report("idle_ticks", {"ticks": ticks, "writes": len(writes)})
     assert writes == []
 
+    # The coordinator stops answering: Degraded (no moves), and back when it answers again.
+    kube.coordinator.down.add((ns, "quiet"))
+    wait_for(lambda: condition(status(kube, ns, "quiet"), "Degraded").get("reason") == "CoordinatorUnreachable",
+             20, "Degraded=True CoordinatorUnreachable")
+    assert condition(status(kube, ns, "quiet"), "Degraded")["status"] == "True"
+    kube.coordinator.down.discard((ns, "quiet"))
+    wait_for(lambda: condition(status(kube, ns, "quiet"), "Degraded").get("status") == "False", 20,
+             "Degraded=False once the coordinator answers")
+
 
 def test_rebalance_trace_moves_roles_with_drains_before_deletions(kube: KubeEnv, operator: OperatorProcess):
     ns = namespace(kube, "trace")
@@ -252,6 +262,17 @@ def test_rebalance_trace_moves_roles_with_drains_before_deletions(kube: KubeEnv,
     assert len(moves) == total_moves and all("moving" in msg for msg in moves)
     _report("rebalance_events", moves)
     _report("kubectl_get_rlj_trace", kube.kubectl("get", "rlj", "-n", ns).stdout.splitlines())
+
+    # The operator's own metrics tell the same story.
+    text = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specrl_operator_rebalance_total{"):
+            reason = line.split('reason="')[1].split('"')[0]
+            totals[reason] = totals.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    assert totals.get("QueueBacklog", 0) >= 4 and totals.get("LongTail", 0) >= 4 and totals.get("TrainerBacklog", 0) >= 2
+    assert f'specrl_operator_allocation_replicas{{job="{name}",namespace="{ns}",role="trainer"}} 5.0' in text
+    _report("operator_metrics_rebalance_total", totals)
 
 
 def test_suspend_resume_and_delete(kube: KubeEnv, operator: OperatorProcess):
