@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from specrl.runtime.models.evaluate import evaluate_accuracy
 from specrl.runtime.models.recipes import BUILTIN_RECIPES, Recipe, resolve_recipe
 from specrl.runtime.paths import cache_dir
@@ -435,8 +434,14 @@ def ensure_models(names: Sequence[str], *, threads: int | None = None, force: bo
 
 
 def _rich_progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     bar = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), transient=False)

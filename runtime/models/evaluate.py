@@ -6,7 +6,6 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
-
 from specrl.runtime.rl.task import Problem, is_correct, prompt_token_ids
 from specrl.runtime.rl.tokenizer import CharTokenizer
 
@@ -30,8 +29,8 @@ def generate_responses(model, tokenizer: CharTokenizer, problems: Sequence[Probl
         for r, s in enumerate(chunk):
             ids[r, width - len(s):] = torch.tensor(s)
             attn[r, width - len(s):] = 1
-        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 \
-            else dict(do_sample=False)
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+            else {"do_sample": False}
         torch.manual_seed(seed * 1_000_003 + start)
         seqs = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
                               pad_token_id=tokenizer.pad_id, eos_token_id=tokenizer.eos_id, **sampling)

@@ -50,7 +50,7 @@ def load_reward(spec: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise RewardLoadError(f"reward: cannot import module {module_name!r} for {spec!r}: {exc}") from None
-    except Exception as exc:  # the user's module failed while importing
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
         raise RewardLoadError(f"reward: importing {module_name!r} for {spec!r} raised "
                               f"{type(exc).__name__}: {exc}") from None
     fn = module
@@ -89,7 +89,7 @@ class SafeReward:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise TypeError(f"returned {value!r}, expected a finite number")
             return float(value)
-        except Exception as exc:  # by design: any failure of user code is a 0 reward, counted
+        except Exception as exc:  # noqa: BLE001 - by design: any failure of user code is a 0 reward, counted
             with self._lock:
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"

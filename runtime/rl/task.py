@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
-
 from specrl.runtime.rl.tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
@@ -230,7 +229,7 @@ class JsonlDataset:
 def _parse_line(line: str, lineno: int) -> Problem:
     obj = json.loads(line)
     if not isinstance(obj, dict):
-        raise ValueError("line is not a JSON object")
+        raise ValueError("line is not a JSON object")  # noqa: TRY004 - reported as a malformed line
     if "prompt" not in obj and "question" in obj:  # GSM8K's own files name the prompt `question`
         obj = {**obj, "prompt": obj["question"]}
     rec = JsonlRecord.model_validate(obj)

@@ -5,7 +5,6 @@ import threading
 
 import pytest
 import torch
-
 from specrl.runtime.models import bootstrap
 from specrl.runtime.models.bootstrap import (
     ModelNotFoundError,

@@ -1,5 +1,4 @@
 import pytest
-
 from specrl.runtime.rl.reward import RewardLoadError, SafeReward, exact_match, load_reward
 
 PLUGIN = '''

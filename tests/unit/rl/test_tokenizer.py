@@ -1,5 +1,4 @@
 import pytest
-
 from specrl.runtime.rl.task import SyntheticTask
 from specrl.runtime.rl.tokenizer import CharTokenizer
 
