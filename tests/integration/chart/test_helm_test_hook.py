@@ -49,7 +49,7 @@ def test_hook_passes_against_a_live_operator(kube, script: Path, tmp_path: Path)
 def test_hook_fails_when_the_operator_is_down(kube, script: Path, tmp_path: Path) -> None:
     kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
     url = f"http://127.0.0.1:{free_port()}/healthz"
-    out = run_hook(script, kubeconfig, url, timeout="3")
+    out = run_hook(script, kubeconfig, url, timeout="1")
     assert out.returncode == 1
     assert "ok: CRD rljobs.specrl.io is Established" in out.stdout
     assert f"FAIL: operator liveness {url} unreachable" in out.stderr
@@ -60,6 +60,6 @@ def test_hook_fails_without_the_crd(script: Path, tmp_path: Path) -> None:
 
     with KubeServer(crds=[]) as kube:
         kubeconfig = kube.write_kubeconfig(tmp_path / "kubeconfig")
-        out = run_hook(script, kubeconfig, f"http://127.0.0.1:{free_port()}/healthz", timeout="3")
+        out = run_hook(script, kubeconfig, f"http://127.0.0.1:{free_port()}/healthz", timeout="1")
     assert out.returncode == 1
     assert "FAIL: CRD rljobs.specrl.io not found" in out.stderr
