@@ -86,3 +86,23 @@ def test_init_containers_are_checked() -> None:
     pod["initContainers"] = [{"name": "init", "image": "x"}]
     problems = restricted_violations(pod)
     assert any("initContainers[init]" in p for p in problems)
+
+
+@pytest.mark.parametrize("example", ["tiny-local.yaml", "qwen3-8b-eagle3.yaml", "async-quantized-self.yaml"])
+def test_operator_job_pods_are_restricted(example: str) -> None:
+    """The pods the operator creates must pass the same check: namespaces enforcing `restricted` admit them."""
+    from pathlib import Path
+
+    from specrl.operator import children
+    from specrl.runtime.api import load_jobs
+
+    path = Path(__file__).resolve().parents[3] / "examples" / example
+    if not path.exists():
+        pytest.fail(f"example {example} is missing")
+    (job,) = load_jobs(path)
+    owner = children.Owner(name=job.metadata.name, namespace="ml", uid="0000")
+    desired = children.desired(job, owner, {"trainer": 2, "rollout": 2}, token="t")
+    assert desired.pods
+    problems = [line for name, pod in desired.pods.items()
+                for line in restricted_violations(pod["spec"], f"Pod/{name}")]
+    assert not problems, "\n".join(problems)
