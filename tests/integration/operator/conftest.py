@@ -237,8 +237,9 @@ class KubeEnv:
 
 
 class OperatorProcess:
-    def __init__(self, env: KubeEnv, poll_interval: float = 0.3) -> None:
+    def __init__(self, env: KubeEnv, poll_interval: float = 0.3, namespaces: tuple[str, ...] = ()) -> None:
         self.env = env
+        self.namespaces = namespaces
         self.poll_interval = poll_interval
         self.proc: subprocess.Popen[str] | None = None
         self.log = env.tmp / "operator.log"
@@ -249,7 +250,7 @@ class OperatorProcess:
         self.metrics_port, self.health_port = free_port(), free_port()
         env = {**os.environ, "KUBECONFIG": str(self.env.kubeconfig), "SPECRL_OPERATOR_RESTART_BACKOFF": "0.5"}
         self.proc = subprocess.Popen(
-            [SPECRL, "operator", "--all-namespaces",
+            [SPECRL, "operator", *([a for ns in self.namespaces for a in ("-n", ns)] or ["--all-namespaces"]),
              "--coordinator-url-template", f"http://127.0.0.1:{self.env.coord_port}/{{namespace}}/{{name}}",
              "--metrics-port", str(self.metrics_port), "--health-port", str(self.health_port),
              "--poll-interval", str(self.poll_interval)],

@@ -414,6 +414,23 @@ def test_kill_mid_move_and_restart_finishes_the_same_move(kube: KubeEnv, operato
         kube.coordinator.retire_after = 0.3
 
 
+def test_namespaced_operator_serves_only_its_namespaces(kube: KubeEnv, operator: OperatorProcess):
+    operator.stop()
+    scoped = OperatorProcess(kube, namespaces=("team-a", "team-b"))
+    try:
+        for ns in ("team-a", "team-b", "team-c"):
+            namespace(kube, ns)
+        scoped.start()
+        apply(kube, small_job("mine", "team-a"), small_job("also-mine", "team-b"), small_job("not-mine", "team-c"))
+        wait_for(lambda: len(kube.pods("team-a")) == 3 and len(kube.pods("team-b")) == 3, 20, "pods in team-a/b")
+        time.sleep(1.0)
+        assert kube.pods("team-c") == {} and status(kube, "team-c", "not-mine") == {}
+    finally:
+        assert scoped.stop() == 0, scoped.tail()
+        operator.start()
+    wait_for(lambda: len(kube.pods("team-c")) == 3, 20, "the all-namespaces operator to pick up team-c")
+
+
 def test_graceful_shutdown_on_sigterm(kube: KubeEnv, operator: OperatorProcess):
     code = operator.stop()
     assert code == 0, operator.tail()
