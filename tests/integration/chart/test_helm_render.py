@@ -96,6 +96,50 @@ def test_builtin_objects_validate_strictly(values: Path | None) -> None:
     assert checked >= 3
 
 
+def unknown_fields(given: Any, parsed: Any, path: str = "") -> list[str]:
+    """Keys of `given` that the model dropped (the generated models ignore unknown fields instead of failing)."""
+    out: list[str] = []
+    if isinstance(given, dict) and isinstance(parsed, dict):
+        for key, value in given.items():
+            if key not in parsed:
+                out.append(f"{path}.{key}".lstrip("."))
+            else:
+                out += unknown_fields(value, parsed[key], f"{path}.{key}")
+    elif isinstance(given, list) and isinstance(parsed, list):
+        for i, (a, b) in enumerate(zip(given, parsed)):
+            out += unknown_fields(a, b, f"{path}[{i}]")
+    return out
+
+
+@pytest.mark.parametrize("values", CASES, ids=IDS)
+def test_monitoring_objects_match_the_prometheus_operator_schema(values: Path | None) -> None:
+    # Models generated from the Prometheus Operator's CRDs (types, enums, required fields); unknown keys are
+    # found by comparing what the model kept with what the chart rendered.
+    from cloudcoil.models.prometheus_operator import v1
+
+    for doc in rendered(values):
+        if doc["kind"] not in MONITORING_KINDS:
+            continue
+        model = getattr(v1, doc["kind"]).model_validate(doc)
+        kept = model.model_dump(by_alias=True, exclude_unset=True, mode="json")
+        unknown = unknown_fields(doc, kept)
+        assert not unknown, f"{doc['kind']}/{doc['metadata']['name']}: unknown fields {unknown}"
+
+
+def test_monitoring_schema_check_catches_mistakes() -> None:
+    from cloudcoil.models.prometheus_operator import v1
+    from pydantic import ValidationError
+
+    (sm,) = by_kind(rendered(ci_values("monitoring-on-values")), "ServiceMonitor")
+    endpoint = sm["spec"]["endpoints"][0]
+    typo = {**sm, "spec": {**sm["spec"], "endpoints": [{**endpoint, "honourLabels": True}]}}
+    kept = v1.ServiceMonitor.model_validate(typo).model_dump(by_alias=True, exclude_unset=True, mode="json")
+    assert unknown_fields(typo, kept) == ["spec.endpoints[0].honourLabels"]
+    with pytest.raises(ValidationError):
+        v1.ServiceMonitor.model_validate({**sm, "spec": {**sm["spec"], "endpoints": [{**endpoint,
+                                                                                      "honorLabels": "maybe"}]}})
+
+
 def test_validator_is_strict() -> None:
     # Guards the test above: an unknown field in a rendered Deployment is rejected.
     dep = dict(by_kind(rendered(None), "Deployment")[0])
