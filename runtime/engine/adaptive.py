@@ -316,6 +316,7 @@ class BucketedEpsilonGreedy:
         self.explore_gap = explore_gap
         self._rng = random.Random(seed)
         self._rewards: dict[tuple[int, Decision], deque[float]] = {}
+        self._medians: dict[tuple[int, Decision], float] = {}
 
     def bucket(self, batch: int) -> int:
         return bucket_of(batch, self.thresholds)
@@ -326,8 +327,8 @@ class BucketedEpsilonGreedy:
         return f"{lo}+" if hi is None else (str(lo) if hi == lo else f"{lo}-{hi}")
 
     def score(self, bucket: int, arm: Decision) -> float | None:
-        window = self._rewards.get((bucket, arm))
-        return statistics.median(window) if window else None
+        # cached: choose() reads every arm's score every decode step, update() changes one window
+        return self._medians.get((bucket, arm))
 
     def samples(self, bucket: int, arm: Decision) -> int:
         window = self._rewards.get((bucket, arm))
@@ -355,9 +356,11 @@ class BucketedEpsilonGreedy:
             top = value(best)
             # With a prior, unmeasured arms compete on their predicted value (a proposer the cost model says is
             # 10x too slow is not worth three trial steps); without one, every arm gets `min_samples` tries.
+            # Predictions from a start-up calibration on a noisy machine are trusted within 2x only.
             contenders = [a for a in self.arms
                           if value(a) >= (1 - self.explore_gap) * top
-                          or (prior is None and self.samples(b, a) < self.min_samples)]
+                          or (self.samples(b, a) < self.min_samples
+                              and (prior is None or value(a) >= 0.5 * top))]
             pool = self.arms if (self._rng.random() < 0.1 or not contenders) else contenders
             return self._rng.choice(pool), True
         return best, False
@@ -367,6 +370,7 @@ class BucketedEpsilonGreedy:
         if key not in self._rewards:
             self._rewards[key] = deque(maxlen=self.window)
         self._rewards[key].append(float(reward))
+        self._medians[key] = statistics.median(self._rewards[key])
 
 
 # ---------------------------------------------------------------------------------------------------------------

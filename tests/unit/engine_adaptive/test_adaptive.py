@@ -151,7 +151,7 @@ def test_bandit_learns_per_bucket() -> None:
             arm, _ = bandit.choose(batch)
             bandit.update(batch, arm, truth[(bandit.bucket(batch), arm)])
     greedy = BucketedEpsilonGreedy(arms, epsilon=0.0)
-    greedy._rewards = bandit._rewards  # same measurements, no exploration
+    greedy._rewards, greedy._medians = bandit._rewards, bandit._medians  # same measurements, no exploration
     assert greedy.choose(1)[0] == arms[1]
     assert greedy.choose(32)[0] == AR
 
