@@ -339,6 +339,7 @@ def _build_into(out: Path, recipe: Recipe, teacher_dir: Path | None, progress: P
                 evaluate: bool) -> None:
     tokenizer = CharTokenizer()
     t0 = time.perf_counter()
+    cpu0 = time.process_time()  # CPU seconds tell the cost apart from contention on a shared machine
     info: dict = {"name": recipe.name, "digest": recipe_digest(recipe), "recipe": recipe.identity(),
                   "description": recipe.description, "threads": torch.get_num_threads(),
                   "torch": torch.__version__}
@@ -358,6 +359,7 @@ def _build_into(out: Path, recipe: Recipe, teacher_dir: Path | None, progress: P
     info["precision"] = "bf16 autocast" if recipe.bf16_autocast and fast_bf16() else "fp32"
     info["train_seconds"] = round(time.perf_counter() - t_train, 2)
     info["build_seconds"] = round(time.perf_counter() - t0, 2)
+    info["build_cpu_seconds"] = round(time.process_time() - cpu0, 2)
     info["parameters"] = count_parameters(model)
     info["trained_steps"] = recipe.steps
     info["loss_first"] = round(sum(losses[:10]) / min(10, len(losses)), 4)
