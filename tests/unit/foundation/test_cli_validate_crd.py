@@ -222,3 +222,10 @@ def test_cache_dir_honours_the_environment(tmp_path: Path, monkeypatch: pytest.M
     assert cache_dir("models") == tmp_path / "c" / "models" and (tmp_path / "c" / "models").is_dir()
     monkeypatch.delenv("SPECRL_CACHE_DIR")
     assert cache_dir(create=False) == Path.home() / ".cache" / "specrl"
+
+
+@pytest.mark.parametrize("version", ["1.30", "1.33"])
+def test_crd_object_is_valid_for_the_api_server(version: str) -> None:
+    import kubernetes_validate
+
+    kubernetes_validate.validate(crdmod.build_crd(), version, strict=True)
