@@ -258,6 +258,9 @@ class RolloutEngine:
         plist = self._validate(prompts, params)
         if self.runner.refresh_if_stale():
             self.refresh_drafter()
+        else:
+            for p in self.proposers.values():
+                p.refresh_if_stale()
         queue = deque(range(len(prompts)))
         active: list[_Seq] = []
         results: list[RequestOutput | None] = [None] * len(prompts)

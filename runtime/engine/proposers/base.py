@@ -58,5 +58,8 @@ class Proposer:
     def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
         raise NotImplementedError
 
+    def refresh_if_stale(self) -> None:
+        """Called at the start of every generate(): rebuild derived weights if the drafter's own changed."""
+
     def refresh(self, policy: torch.nn.Module | None = None) -> None:
         """Follow a policy update (re-quantize, re-read shared weights, ...)."""

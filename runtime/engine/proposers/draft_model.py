@@ -56,6 +56,10 @@ class DraftModelProposer(Proposer):
         if self.runner is not None:
             self.runner.refresh()
 
+    def refresh_if_stale(self) -> None:
+        if self.runner is not None:
+            self.runner.refresh_if_stale()  # draft weights pushed in place with the policy
+
     def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
         assert self.runner is not None, "attach() first"
         runner = self.runner

@@ -159,7 +159,7 @@ class _EagleRunner(TransformerRunner):
         self.fc = Dense(self.head_module.fc.weight.detach(), self.head_module.fc.bias.detach())
         self.cos_table = self.target_runner.cos_table
         self.sin_table = self.target_runner.sin_table
-        self._signature = ()
+        self._signature = self._current_signature()
 
     def step(self, cache, starts: list[int], features: torch.Tensor, tokens: torch.Tensor,  # noqa: ANN001
              last_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,6 +193,9 @@ class EagleProposer(Proposer):
 
     def refresh(self, policy: nn.Module | None = None) -> None:
         self.runner.refresh()
+
+    def refresh_if_stale(self) -> None:
+        self.runner.refresh_if_stale()  # the head is trained in place by the runtime's drafter trainer
 
     def reset_slot(self, slot: int) -> None:
         self.head_lens[slot] = 0

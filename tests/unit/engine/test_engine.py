@@ -222,9 +222,12 @@ def test_eagle_head_trains_on_rollouts_and_acceptance_rises() -> None:
     prompts = [[i % VOCAB, (i * 5) % VOCAB] for i in range(48)]
     params = SamplingParams(max_new_tokens=20)
 
+    # One engine throughout: the head is trained in place and the engine must pick that up by itself.
+    engine = RolloutEngine(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3), eagle_head=head,
+                           max_batch_size=16, seed=0)
+
     def acceptance() -> float:
-        engine = RolloutEngine(model, SpeculativeConfig(method="eagle", num_speculative_tokens=3), eagle_head=head,
-                               max_batch_size=16, seed=0)
+        engine.stats.reset()
         engine.generate(prompts[:24], params)
         return engine.stats.acceptance_length or 0.0
 
@@ -237,3 +240,22 @@ def test_eagle_head_trains_on_rollouts_and_acceptance_rises() -> None:
         losses.append(train_step(head, opt, model, torch.tensor([o.prompt_token_ids + o.token_ids for o in outs])))
     assert losses[-1] < 0.6 * losses[0]
     assert acceptance() > fresh + 0.2
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_eagle_training_forward_matches_the_inference_runner(kind: str) -> None:
+    from specrl.runtime.engine.proposers.eagle import EagleHead, _EagleRunner, target_features
+
+    model = make_model(kind, layers=2, seed=0)
+    head = EagleHead.from_target(model)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    toks = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    feats = target_features(model, toks)
+    with torch.no_grad():
+        pred = head(feats[:, :-1], toks[:, 1:], model.model.embed_tokens.weight)
+    runner = _EagleRunner(head, TransformerRunner(model))
+    with torch.inference_mode():
+        _, g = runner.step(runner.new_cache(2, 32), [0, 0], feats[:, :-1], toks[:, 1:])
+    assert float((g - pred).abs().max()) < 1e-5
