@@ -189,6 +189,10 @@ class Timeline:
     def observe(self, decision: Decision, record: StepRecord) -> None:
         self.inner.observe(decision, record)
 
+    def stats(self) -> dict[str, Any]:
+        inner = getattr(self.inner, "stats", None)
+        return inner() if callable(inner) else {}
+
 
 @dataclass
 class RunResult:
