@@ -268,6 +268,7 @@ class Prometheus:
 
     targets: list[str]
     scrape_interval: str = "1s"
+    rule_files: list[Path] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -281,6 +282,7 @@ class Prometheus:
             "scrape_configs": [{"job_name": "specrl", "honor_labels": True, "metrics_path": "/metrics",
                                 "file_sd_configs": [{"files": [str(root / "targets.json")],
                                                      "refresh_interval": "1s"}]}],
+            "rule_files": [str(p) for p in self.rule_files],
         }
         (root / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.set_targets(self.targets)
@@ -351,6 +353,10 @@ class Prometheus:
                 return
             time.sleep(0.5)
         raise AssertionError(f"targets not scraped {n}x in {timeout}s: {self.api('targets')}")
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """Pending and firing alerts: {"labels": {...}, "state": "pending"|"firing", ...}."""
+        return list(self.api("alerts")["alerts"])
 
     def label_values(self, label: str, metric: str) -> list[str]:
         return list(self.api(f"label/{label}/values", **{"match[]": metric}))

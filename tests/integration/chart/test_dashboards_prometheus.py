@@ -7,6 +7,8 @@
   package) with `honor_labels` as the chart's monitors set it. While the run lasts, every query is evaluated
   with the dashboard variables set as Grafana would (each namespace offered with its first job, and "All" =
   `.*`); each must return a series with a finite value at some point, under "All" and under a selected job.
+  The chart's rendered alert rules are loaded into the same Prometheus: a second RLJob whose coordinator cannot
+  be reached must turn SpecRLJobDegraded pending, the healthy job must not, and nothing may look stalled.
 
 Queries of events that a short local run cannot produce (a completed rebalance needs the operator to drain a
 worker of the run, and local mode's coordinator token is private) are listed in EVENT_ONLY: in the end-to-end
@@ -34,8 +36,10 @@ from chart_support import (
     REPO,
     Prometheus,
     dashboard_queries,
+    helm_template,
     load_dashboards,
     metric_names,
+    rendered_rule_groups,
     run,
     start_operator,
     stop,
@@ -136,8 +140,10 @@ def micro_job(path: Path, steps: int) -> Path:
 def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
     job_file = micro_job(tmp_path / "job.yaml", RUN_STEPS)
     specrl = str(Path(sys.executable).parent / "specrl")
+    rules = tmp_path / "specrl-rules.yaml"
+    rules.write_text(yaml.safe_dump(rendered_rule_groups(helm_template(None, sets={"prometheusRule.enabled": "true"}))))
     op = None
-    with Prometheus([]) as prom:
+    with Prometheus([], rule_files=[rules]) as prom:
         run_proc = subprocess.Popen(
             [specrl, "run", str(job_file), "--no-progress", "--out", str(tmp_path / "run")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
@@ -164,7 +170,7 @@ def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
                             namespace=ns)
 
             prom.wait_for_scrapes(n=2, timeout=60)
-            results = observe(prom, run_proc, tail, after_exit=6.0)
+            results, alerts = observe(prom, run_proc, tail, after_exit=6.0)
             metadata = prom.api("metadata")
         finally:
             if run_proc.poll() is None:
@@ -188,15 +194,24 @@ def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
         set().union(*map(metric_names, r["exprs"])) & EVENT_ONLY or r["where"] in EVENT_ONLY_WHERE)]
     assert not empty, (f"{len(empty)} dashboard queries never returned a finite value:\n{report}\n"
                        f"run output:\n{tail.text()}\noperator:\n{op.output() if op else ''}")
+    # The chart's alerts ran on the same data: the job whose coordinator nobody can reach is Degraded (pending:
+    # a short run never outlasts `for: 5m`), the healthy one is not.
+    print(f"alerts seen (name, job, state): {sorted(alerts)}")
+    assert any(a[:2] == ("SpecRLJobDegraded", f"{job}-lost") for a in alerts), sorted(alerts)
+    assert not any(a[:2] == ("SpecRLJobDegraded", job) for a in alerts), sorted(alerts)
+    assert not any(a[0] == "SpecRLRolloutStalled" for a in alerts), sorted(alerts)
     # Event-only queries: their families must at least be exported (HELP/TYPE seen by Prometheus).
     for name in EVENT_ONLY:
         family = name.removesuffix("_total")
         assert name in metadata or family in metadata, f"{name} is not exported by the operator"
 
 
-def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail, after_exit: float) -> dict[str, Any]:
-    """Evaluate every query every ~2 s until the run has ended (plus `after_exit` s); best result per query."""
+def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail,
+            after_exit: float) -> tuple[dict[str, Any], set[tuple[str, str, str]]]:
+    """Evaluate every query every ~2 s until the run has ended (plus `after_exit` s): the best result per query,
+    and every (alert, job, state) Prometheus reported meanwhile."""
     results: dict[str, dict[str, Any]] = {}
+    alerts: set[tuple[str, str, str]] = set()
     ended: float | None = None
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
@@ -216,13 +231,14 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail, after
                     r["series"] = max(r["series"], len(series))
                     if any(math.isfinite(float(s["value"][1])) for s in series):
                         r[choice] = True
+        alerts |= {(a["labels"]["alertname"], a["labels"].get("job", ""), a["state"]) for a in prom.alerts()}
         if run_proc.poll() is not None:
             ended = ended or time.monotonic()
             if time.monotonic() - ended > after_exit:
                 break
         time.sleep(2)
     assert run_proc.poll() == 0, f"specrl run failed ({run_proc.returncode}):\n{tail.text()}"
-    return results
+    return results, alerts
 
 
 def discover(prom: Prometheus, board: dict[str, Any]) -> list[dict[str, str]]:
