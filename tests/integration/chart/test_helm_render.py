@@ -5,6 +5,8 @@ One `helm template` per values file (default + charts/specrl/ci/*.yaml), cached 
 
 from __future__ import annotations
 
+import os
+import subprocess
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -363,3 +365,20 @@ def test_chart_crd_is_the_generated_one() -> None:
     # Helm picks it up from crds/ (installed before the templates, never upgraded).
     out = run([tool("helm"), "template", "specrl", str(CHART), "--include-crds", "-s", "crds/" + ours[0].name])
     assert out.returncode == 0 and "kind: CustomResourceDefinition" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("values", CASES, ids=IDS)
+def test_notes_render(values: Path | None, tmp_path: Path) -> None:
+    # `helm install --dry-run=client` renders NOTES.txt without a cluster (no kubeconfig is read).
+    cmd = [tool("helm"), "install", "specrl", str(CHART), "--dry-run=client", "--namespace", NAMESPACE]
+    if values:
+        cmd += ["-f", str(values)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+                         env={**os.environ, "KUBECONFIG": str(tmp_path / "none"), "HELM_CACHE_HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    (dep,) = by_kind(rendered(values), "Deployment")
+    assert f"rollout status deployment/{dep['metadata']['name']}" in notes
+    assert "kubectl apply --server-side --force-conflicts" in notes
+    namespaces = values_of(values).get("watchNamespaces")
+    assert (", ".join(namespaces) if namespaces else "every namespace") in notes
