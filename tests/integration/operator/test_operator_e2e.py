@@ -13,7 +13,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import kmock
 import pytest
 import yaml
 
@@ -52,9 +51,8 @@ def apply(kube: KubeEnv, *docs: dict[str, Any]) -> None:
 
 
 def namespace(kube: KubeEnv, ns: str) -> str:
-    # `kubectl create namespace` is not served by the emulator yet (POST of a cluster-scoped core kind).
-    kube.run_async(kube.emulator.create(kmock.resource("v1/namespaces"), None,
-                                        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
+    # `kubectl create namespace` sends protobuf, which the emulator does not speak: apply JSON/YAML instead.
+    apply(kube, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     return ns
 
 
