@@ -307,18 +307,28 @@ _specs = st.fixed_dictionaries({}, optional={
                                                       "maxReplicas": st.integers(1, 5)}),
         "rollout": st.fixed_dictionaries({}, optional={"replicas": st.integers(1, 4), "minReplicas": st.integers(1, 4),
                                                       "maxReplicas": st.integers(1, 5)}),
+        "podTemplate": st.fixed_dictionaries({}, optional={
+            "env": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["A", "B", "SPECRL_X"])}), max_size=3),
+            "resources": st.fixed_dictionaries({}, optional={
+                "limits": st.dictionaries(st.sampled_from(["cpu", "nvidia.com/gpu"]), st.sampled_from([1, "2"]),
+                                          max_size=2)}),
+        }),
     }),
+    "model": st.fixed_dictionaries({}, optional={"name": st.sampled_from(["builtin:tiny", "builtin:x", "org/m"])}),
     "weightSync": st.fixed_dictionaries({}, optional={"backend": st.sampled_from(["nccl", "gloo"])}),
     "elastic": st.fixed_dictionaries({}, optional={"queueHighWatermark": st.integers(1, 4),
                                                   "queueLowWatermark": st.integers(0, 4)}),
     "reward": st.fixed_dictionaries({}, optional={"type": st.sampled_from(["exact_match", "function"]),
                                                  "function": st.sampled_from(["pkg.mod:fn", "bad"])}),
-    "dataset": st.fixed_dictionaries({}, optional={"type": st.sampled_from(["synthetic", "jsonl"]),
-                                                  "path": st.sampled_from(["/data/a.jsonl"])}),
+    "dataset": st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["synthetic", "jsonl"]), "path": st.sampled_from(["/data/a.jsonl"]),
+        "synthetic": st.fixed_dictionaries({}, optional={"difficulty": st.fixed_dictionaries(
+            {}, optional={"easy": st.sampled_from([0, 0.5]), "medium": st.sampled_from([0, 1]),
+                          "hard": st.sampled_from([0.0, 0.2])})})}),
 })
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(_specs)
 def test_models_and_crd_agree(spec: dict[str, Any]) -> None:
     doc = _doc(spec)
