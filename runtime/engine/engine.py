@@ -220,6 +220,21 @@ class RolloutEngine:
             p.refresh(self.model)
 
     @torch.no_grad()
+    def load_drafter_state(self, state_dict: dict[str, torch.Tensor], method: str | None = None) -> None:
+        """Load pushed drafter weights (the draft model's, or the eagle head's) and refresh that proposer."""
+        name = method or next((m for m in ("draft_model", "eagle") if m in self.proposers), None)
+        proposer = self.proposers.get(name) if name else None
+        module = getattr(proposer, "draft_model", None) if name == "draft_model" else getattr(proposer, "head", None)
+        if proposer is None or module is None:
+            raise ValueError(f"method: no trainable drafter ({method or 'draft_model/eagle'}) in this engine; "
+                             f"proposers: {sorted(self.proposers)}")
+        try:
+            module.load_state_dict(state_dict, strict=True)
+        except RuntimeError as exc:
+            raise ValueError(f"state_dict: does not match the {name} drafter: {exc}") from None
+        proposer.refresh(self.model)
+
+    @torch.no_grad()
     def load_policy_state(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new policy weights (strict) and refresh the engine's fused weights and every drafter."""
         try:

@@ -165,6 +165,16 @@ def test_policy_update_refreshes_engine_and_drafters(target) -> None:
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in expected]
     with pytest.raises(ValueError, match="state_dict"):
         engine.load_policy_state({"nope": torch.zeros(1)})
+    # Pushed eagle-head weights land in the proposer (and its fused inference copy).
+    from specrl.runtime.engine.proposers.eagle import EagleHead
+
+    trained = EagleHead.from_target(policy)
+    with torch.no_grad():
+        trained.fc.bias.fill_(0.25)
+    engine.load_drafter_state(trained.state_dict(), method="eagle")
+    assert torch.allclose(engine.proposers["eagle"].runner.fc.bias, torch.full_like(trained.fc.bias, 0.25))
+    with pytest.raises(ValueError, match="^method:"):
+        engine.load_drafter_state({}, method="draft_model")
 
 
 @pytest.mark.parametrize(
