@@ -226,9 +226,13 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
     cutoff = math.ceil(0.9 * n)
     tail_start = next((t for t, done in timeline.marks if done >= cutoff), end)
     s = engine.stats
-    decode_forwards = s.target_forwards - s.prefill_forwards
-    return RunResult(tokens=s.generated_tokens, seconds=end - start, cpu_seconds=cpu, acceptance_length=s.acceptance_length,
-                     forwards_per_token=decode_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start)
+    # Target forward passes per generated token, per sequence: every decode step runs the target once for each
+    # active sequence and the prefill once per prompt, so plain decoding is exactly 1.0 and speculation
+    # 1 / (tokens per round).
+    sequence_forwards = sum(r.batch_size for r in s.steps) + n
+    return RunResult(tokens=s.generated_tokens, seconds=end - start, cpu_seconds=cpu,
+                     acceptance_length=s.acceptance_length,
+                     forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start)
 
 
 def med(xs: Sequence[float | None]) -> float | None:

@@ -27,6 +27,7 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
         assert c["target_forwards_per_token"] > 0 and c["tail_seconds"] >= 0
     ar = next(c for c in r["configs"] if c["name"] == "ar")
     assert ar["speedup_vs_ar"] == pytest.approx(1.0) and ar["acceptance_length"] is None
+    assert ar["target_forwards_per_token"] == pytest.approx(1.0)
     sd = next(c for c in r["configs"] if c["name"] == "draft_model-g4")
     assert 1.0 <= sd["acceptance_length"] <= 5.0
     assert sd["target_forwards_per_token"] < ar["target_forwards_per_token"] + 1e-9 or sd["acceptance_length"] < 1.5
