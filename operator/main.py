@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import sys
 
 import kopf
+import yaml
 from specrl.operator import handlers
 from specrl.operator import metrics as m
 from specrl.operator.reconcile import OperatorConfig
@@ -59,6 +61,30 @@ def settings(args: argparse.Namespace) -> kopf.OperatorSettings:
     return s
 
 
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+def credentials_problem() -> str | None:
+    """Why the operator could not log in, checked before kopf starts (kopf would retry forever)."""
+    if os.path.exists(SERVICE_ACCOUNT_TOKEN):
+        return None
+    env = os.environ.get("KUBECONFIG")
+    paths = [p for p in (env or "").split(os.pathsep) if p] or [os.path.expanduser("~/.kube/config")]
+    if not env and not os.path.exists(paths[0]):
+        return "no Kubernetes credentials: run in a cluster (service account) or set KUBECONFIG"
+    for path in paths:
+        try:
+            with open(os.path.expanduser(path), encoding="utf-8") as f:
+                doc = yaml.safe_load(f) or {}
+        except OSError as exc:
+            return f"cannot read kubeconfig {path}: {exc.strerror or exc}"
+        except yaml.YAMLError as exc:
+            return f"kubeconfig {path} is not valid YAML: {str(exc).splitlines()[0]}"
+        if not isinstance(doc, dict) or not doc.get("clusters"):
+            return f"kubeconfig {path} defines no clusters"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -72,6 +98,10 @@ def main(args: argparse.Namespace) -> int:
     except (KeyError, IndexError, ValueError) as exc:
         print(f"specrl operator: --coordinator-url-template: only {{name}} and {{namespace}} may be filled in ({exc})",
               file=sys.stderr)
+        return 2
+    problem = credentials_problem()
+    if problem:
+        print(f"specrl operator: {problem}", file=sys.stderr)
         return 2
     config = OperatorConfig(coordinator_url_template=args.coordinator_url_template, poll_interval=args.poll_interval,
                             drain_poll=min(1.0, args.poll_interval))
