@@ -22,12 +22,9 @@ worker retires. A worker that dies has its chunk requeued. The ledger proves not
 from __future__ import annotations
 
 import logging
-import math
-import os
 import secrets
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,7 +277,6 @@ class JobCoordinator:
 
     def _start_trainers(self, names: list[str]) -> None:
         import ray
-
         from specrl.runtime.rl.trainer import TrainerWorker
 
         cls = ray.remote(TrainerWorker)
@@ -298,7 +294,6 @@ class JobCoordinator:
     def add_rollout_worker(self, name: str, ship_weights: bool = True) -> None:
         """A worker joins at a step boundary: it gets the current weights and the sync group is rebuilt."""
         import ray
-
         from specrl.runtime.rollout_worker import RolloutWorker
 
         actor = ray.remote(RolloutWorker).options(**self.placement.options(name, "rollout")).remote(
@@ -328,8 +323,8 @@ class JobCoordinator:
 
             try:
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001 - it may be dead already
-                pass
+            except Exception as exc:  # noqa: BLE001 - it may be dead already
+                log.debug("kill %s: %s", name, exc)
         wm = self._worker_metrics.pop(name, None)
         if wm is not None:
             wm.remove()
@@ -584,7 +579,6 @@ class JobCoordinator:
     def _regroup_trainers(self) -> None:
         """Apply trainer drains and joins: one new data-parallel group over the remaining and new trainers."""
         import ray
-
         from specrl.runtime.rl.trainer import TrainerWorker
 
         with self.lock:
@@ -643,7 +637,6 @@ class JobCoordinator:
     def _collect(self, step: int) -> list[dict]:
         """The step's samples in prompt order with group-normalised advantages."""
         import torch
-
         from specrl.runtime.rl.grpo import group_advantages
 
         s = self.settings
@@ -843,8 +836,8 @@ class JobCoordinator:
         for actor in list(self.rollouts.values()) + list(self.trainers.values()):
             try:
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as exc:  # noqa: BLE001 - it may be dead already
+                log.debug("kill at shutdown: %s", exc)
         self.rollouts.clear()
         self.trainers.clear()
 

@@ -52,13 +52,11 @@ def load_settings(path: str, steps: int | None = None):
 def check_settings(settings, source: str = "<job>", name: str = ""):
     """Checks that need the machine (files, installed functions, devices); local-mode adjustments."""
     import torch
-
     from specrl.runtime.rl.reward import RewardLoadError, load_reward
 
     prefix = f"{source}: {name}: " if name else f"{source}: "
-    if not settings.dataset.startswith("builtin:"):
-        if not Path(settings.dataset).is_file():
-            raise JobError(f"{prefix}spec.dataset.path: dataset file {settings.dataset!r} does not exist")
+    if not settings.dataset.startswith("builtin:") and not Path(settings.dataset).is_file():
+        raise JobError(f"{prefix}spec.dataset.path: dataset file {settings.dataset!r} does not exist")
     try:
         load_reward(settings.reward)
     except RewardLoadError as exc:
@@ -79,7 +77,7 @@ def _cores() -> int:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        job, settings = load_settings(args.job, getattr(args, "steps", None))
+        _job, settings = load_settings(args.job, getattr(args, "steps", None))
     except JobError as exc:
         print(f"specrl run: {exc}", file=sys.stderr)
         return 2
@@ -134,7 +132,6 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
             coordinator_options: dict | None = None) -> dict[str, Any]:
     """Run the job end to end and write the outputs; returns the summary."""
     import ray
-
     from specrl.runtime.coordinator import JobCoordinator
     from specrl.runtime.coordinator_http import free_port
 
@@ -190,14 +187,19 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
     finally:
         try:
             ray.get(coord.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
+        except Exception as exc:  # noqa: BLE001 - best effort on the way out
+            log.debug("coordinator shutdown: %s", exc)
         ray.kill(coord)
     return summary
 
 
 def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def acceptance_length(stats: dict) -> float | None:
+    drafts = stats.get("drafts", 0)
+    return 1.0 + stats.get("accepted_tokens", 0) / drafts if drafts else None
 
 
 def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall: float) -> dict[str, Any]:
@@ -240,12 +242,15 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
         summary["eval_sd_seconds"] = ev_sd["seconds"]
         summary["eval_ar_seconds"] = ev_ar["seconds"]
     if cmp:
-        summary["sd_rollout_speedup"] = cmp["ar_seconds"] / cmp["sd_seconds"] if cmp["sd_seconds"] > 0 else None
+        summary["sd_rollout_speedup"] = cmp["speedup_median"]
+        summary["sd_rollout_speedups"] = cmp["speedups"]
         summary["sd_rollout_seconds"] = cmp["sd_seconds"]
         summary["ar_rollout_seconds"] = cmp["ar_seconds"]
+        summary["sd_rollout_acceptance_length"] = acceptance_length(cmp["sd_stats"])
         summary["sd_rollout_measurement"] = (
-            "one full step batch (promptsPerStep x groupSize) at the job's temperature on one rollout worker, "
-            "speculative then plain decoding, same final weights and per-sample seeds, wall time of generate()")
+            f"one full step batch (promptsPerStep x groupSize) at the job's temperature on one rollout worker, "
+            f"speculative vs plain decoding on the final weights with the same per-sample seeds, {cmp['repeats']} "
+            "pairs in alternating order; median of the per-pair AR/SD wall-time ratios of generate()")
     if "accuracy_start" not in summary:
         summary["accuracy_start"] = summary["train_accuracy_start"]
         summary["accuracy_end"] = summary["train_accuracy_end"]
@@ -272,7 +277,7 @@ class Display:
     def note(self, text: str) -> None:
         print(f"[specrl] {text}", flush=True)
 
-    def __enter__(self) -> Display:
+    def __enter__(self) -> Display:  # noqa: PYI034
         if self.enabled:
             from rich.live import Live
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -284,7 +289,7 @@ class Display:
             self.live.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.live is not None:
             self.live.update(self._render())
             self.live.__exit__(*exc)

@@ -14,7 +14,6 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-
 from specrl.runtime.rl.settings import RunSettings
 from specrl.runtime.rl.trainer import Sample
 
@@ -239,12 +238,30 @@ class RolloutWorker:
         return {"accuracy": sum(correct) / max(1, len(correct)), "tokens": tokens, "seconds": seconds,
                 "generated": sum(len(t) for t in tokens), "stats": delta, "weight_version": self.weight_version}
 
-    def compare_rollout(self, items: list[tuple[str, int]], step: int) -> dict[str, Any]:
-        """The same chunk with SD on and with plain decoding, back to back, on the same weights and seeds."""
-        sd = self.generate(items, step, use_sd=True)
-        ar = self.generate(items, step, use_sd=False)
-        return {"sd_seconds": sd["seconds"], "ar_seconds": ar["seconds"], "sd_tokens": sd["tokens"],
-                "ar_tokens": ar["tokens"], "sd_stats": sd["stats"]}
+    def compare_rollout(self, items: list[tuple[str, int]], step: int, repeats: int = 3) -> dict[str, Any]:
+        """The same prompts with SD on and with plain decoding, same weights and per-sample seeds, alternating
+        which goes first; `repeats` pairs, so the median ratio resists load spikes from other processes."""
+        sd_t, ar_t, ratios = [], [], []
+        sd = ar = None
+        for r in range(max(1, repeats)):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            times = {}
+            for use_sd in order:
+                out = self.generate(items, step, use_sd=use_sd)
+                times[use_sd] = out["seconds"]
+                if use_sd:
+                    sd = out
+                else:
+                    ar = out
+            sd_t.append(times[True])
+            ar_t.append(times[False])
+            ratios.append(times[False] / times[True] if times[True] > 0 else float("nan"))
+        assert sd is not None and ar is not None
+        import statistics
+
+        return {"sd_seconds": statistics.median(sd_t), "ar_seconds": statistics.median(ar_t),
+                "speedup_median": statistics.median(ratios), "speedups": ratios, "sd_tokens": sd["tokens"],
+                "ar_tokens": ar["tokens"], "sd_stats": sd["stats"], "repeats": len(ratios)}
 
     def engine_stats(self) -> dict[str, float]:
         return stats_snapshot(self.engine.stats)

@@ -142,7 +142,6 @@ def run_coordinator(config: str) -> int:
     """Be the Ray head, wait for the initial workers, run the job, keep serving /status until terminated."""
     settings = _load(config)
     import ray
-
     from specrl.runtime.coordinator import JobCoordinator, Placement, latest_checkpoint, members_from_nodes
 
     subprocess.check_call([_ray_cli(), "start", "--head", f"--port={HEAD_PORT}", "--num-cpus=0",

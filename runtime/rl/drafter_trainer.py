@@ -16,7 +16,6 @@ from collections import deque
 from typing import Any
 
 import torch
-
 from specrl.runtime.rl.settings import RunSettings
 
 

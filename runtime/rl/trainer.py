@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from specrl.runtime.rl.grpo import GRPOLossConfig, grpo_loss, token_logprobs
 from specrl.runtime.rl.settings import RunSettings
 
@@ -265,7 +264,6 @@ class TrainerWorker:
     def node_address(self) -> tuple[str, int]:
         """An address and a free port on this trainer's host: rendezvous for groups it hosts."""
         import ray
-
         from specrl.runtime.coordinator_http import free_port
 
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ SPECRL = [sys.executable, "-m", "specrl.runtime.cli"]
 
 
 def _run(args, tmp_path, env=None, timeout=120):
-    return subprocess.run(SPECRL + args, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+    return subprocess.run(SPECRL + args, check=False, capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
                           env={**os.environ, **(env or {})})
 
 
@@ -67,4 +68,4 @@ def test_backoff_delays_are_bounded():
     from specrl.runtime.worker import backoff_delays
 
     d = backoff_delays(30)
-    assert d[0] == 0.5 and all(b >= a for a, b in zip(d, d[1:])) and max(d) <= 10 and sum(d) <= 30
+    assert d[0] == 0.5 and all(b >= a for a, b in itertools.pairwise(d)) and max(d) <= 10 and sum(d) <= 30

@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from specrl.runtime.coordinator import JobCoordinator
 from specrl.runtime.coordinator_http import STATUS_KEYS, free_port
 from specrl.runtime.metrics import METRIC_NAMES

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from specrl.runtime.rl.grpo import GRPOLossConfig, group_advantages, grpo_loss, k3_kl, token_logprobs
 
 

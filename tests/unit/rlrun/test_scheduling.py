@@ -3,7 +3,6 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from specrl.runtime.coordinator import members_from_nodes, pod_resource
 from specrl.runtime.scheduling import (
     LedgerError,
@@ -140,7 +139,7 @@ def test_chunk_size_spreads_work():
 def test_step_prompts_deterministic_and_cover_epochs():
     a = step_prompt_indices(3, 4, 10, seed=1)
     assert a == step_prompt_indices(3, 4, 10, seed=1)
-    first_epoch = [i for s in range(0, 5) for i in step_prompt_indices(s, 2, 10, seed=1)]
+    first_epoch = [i for s in range(5) for i in step_prompt_indices(s, 2, 10, seed=1)]
     assert sorted(first_epoch) == list(range(10))
     with pytest.raises(ValueError):
         step_prompt_indices(0, 1, 0, 0)
