@@ -242,11 +242,11 @@ class TransformerRunner:
         for i, w in enumerate(self.layers[: num_layers or self.num_layers]):
             a = F.rms_norm(h, (self.hidden_size,), w.in_norm, self.eps)
             qkv = w.qkv(a)
-            q = qkv[..., :qs].view(b, t, nh, d).transpose(1, 2)
-            k = qkv[..., qs : qs + kvs].view(b, t, nkv, d).transpose(1, 2)
+            # Rotary on q and k in one pass (half the elementwise kernels of rotating them separately).
+            qk = qkv[..., : qs + kvs].view(b, t, nh + nkv, d).transpose(1, 2)
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[..., qs + kvs :].view(b, t, nkv, d).transpose(1, 2)
-            q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-            k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             cache.write(i, plan, k, v)
             kc, vc = cache.view(i, plan.slot0, b, plan.kv_len)
             o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=plan.mask, scale=self.scaling, enable_gqa=gqa)

@@ -269,3 +269,23 @@ def test_eagle_training_forward_matches_the_inference_runner(kind: str) -> None:
     with torch.inference_mode():
         _, g = runner.step(runner.new_cache(2, 32), [0, 0], feats[:, :-1], toks[:, 1:])
     assert float((g - pred).abs().max()) < 1e-5
+
+
+def test_ngram_lookup_matches_a_plain_scan() -> None:
+    import random
+
+    from specrl.runtime.engine.proposers.ngram import ngram_lookup
+
+    def plain(tokens: list[int], n_min: int, n_max: int, gamma: int) -> list[int]:
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+            for i in range(len(tokens) - n - 1, -1, -1):
+                if tokens[i : i + n] == tokens[len(tokens) - n :] and tokens[i + n : i + n + gamma]:
+                    return tokens[i + n : i + n + gamma]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        toks = [rng.randint(0, 4) for _ in range(rng.randint(1, 30))]
+        assert ngram_lookup(toks, 1, 4, 3) == plain(toks, 1, 4, 3)
+    assert ngram_lookup([1, 2, 3, 9, 1, 2], 1, 3, 5) == [3, 9, 1, 2]
+    assert ngram_lookup([1, 2, 3], 1, 3, 2) == []
