@@ -297,7 +297,8 @@ class BucketedEpsilonGreedy:
     """Per batch-size bucket, ε-greedy over arms by the median of a sliding window of rewards."""
 
     def __init__(self, arms: Sequence[Decision], thresholds: Sequence[int] = DEFAULT_BUCKETS, epsilon: float = 0.1,
-                 window: int = 100, seed: int = 0, min_samples: int = 3, explore_gap: float = 0.25) -> None:
+                 window: int = 100, seed: int = 0, min_samples: int = 3, explore_gap: float = 0.25,
+                 min_exact: int = 8) -> None:
         if not arms:
             raise ValueError("BucketedEpsilonGreedy: needs at least one arm")
         if not 0.0 <= epsilon <= 1.0:
@@ -314,9 +315,12 @@ class BucketedEpsilonGreedy:
         self.window = window
         self.min_samples = min_samples
         self.explore_gap = explore_gap
+        self.min_exact = min_exact
         self._rng = random.Random(seed)
         self._rewards: dict[tuple[int, Decision], deque[float]] = {}
         self._medians: dict[tuple[int, Decision], float] = {}
+        self._exact: dict[tuple[int, Decision], deque[float]] = {}
+        self._exact_medians: dict[tuple[int, Decision], float] = {}
 
     def bucket(self, batch: int) -> int:
         if batch < 1:
@@ -348,6 +352,11 @@ class BucketedEpsilonGreedy:
         b = self.bucket(batch)
 
         def value(arm: Decision) -> float:
+            # Measurements at exactly this batch size win once there are enough of them; the bucket pools the
+            # neighbouring sizes until then (what the bucket is for: little data per size in a long tail).
+            exact = self._exact_medians.get((batch, arm))
+            if exact is not None and len(self._exact[(batch, arm)]) >= self.min_exact:
+                return exact
             s = self.score(b, arm)
             if s is not None:
                 return s
@@ -373,6 +382,11 @@ class BucketedEpsilonGreedy:
             self._rewards[key] = deque(maxlen=self.window)
         self._rewards[key].append(float(reward))
         self._medians[key] = statistics.median(self._rewards[key])
+        exact = (batch, arm)
+        if exact not in self._exact:
+            self._exact[exact] = deque(maxlen=self.window)
+        self._exact[exact].append(float(reward))
+        self._exact_medians[exact] = statistics.median(self._exact[exact])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -308,3 +308,17 @@ def test_ar_cost_fit_is_monotone_under_noise() -> None:
         fit.add(b, (2e-3 + 0.5e-3 * b) * (1 + (5 * rng.random() if rng.random() < 0.3 else 0.05 * rng.random())))
     assert fit.seconds(16) == pytest.approx(10e-3, rel=0.2)
     assert fit.seconds(1) == pytest.approx(2.5e-3, rel=0.3)
+
+
+def test_exact_batch_size_statistics_refine_the_bucket() -> None:
+    # bucket 5-20 holds b=6 (speculation wins) and b=20 (plain decoding wins)
+    arms = [AR, Decision("draft_model", 4)]
+    truth = {(6, AR): 1.0, (6, arms[1]): 1.5, (20, AR): 1.0, (20, arms[1]): 0.7}
+    bandit = BucketedEpsilonGreedy(arms, epsilon=0.2, window=100, seed=4)
+    for i in range(1500):
+        batch = 6 if i % 4 else 20  # most steps at b=6: the pooled bucket statistic favours speculation
+        arm, _ = bandit.choose(batch)
+        bandit.update(batch, arm, truth[(batch, arm)])
+    bandit.epsilon = 0.0
+    assert bandit.choose(6)[0] == arms[1]
+    assert bandit.choose(20)[0] == AR
