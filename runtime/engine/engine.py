@@ -167,8 +167,9 @@ class RolloutEngine:
         self.model = model  # not switched to eval(): the engine never runs its modules, a trainer may own it
         self.speculative = speculative or SpeculativeConfig()
         cfg = model.config
+        # Default context: the model's, capped at 4096 — the static cache is preallocated for every slot.
         limit = int(getattr(cfg, "max_position_embeddings", 2048))
-        self.max_model_len = int(max_model_len or limit)
+        self.max_model_len = int(max_model_len or min(limit, 4096))
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         self.max_batch_size = max_batch_size
@@ -280,6 +281,7 @@ class RolloutEngine:
         active: list[_Seq] = []
         results: list[RequestOutput | None] = [None] * len(prompts)
         self._sampling: BatchSamplingTensors | None = None
+        self._any_raw: bool | None = None
         while queue or active:
             if queue and len(active) < self.max_batch_size:
                 joiners = []
@@ -309,6 +311,7 @@ class RolloutEngine:
 
     def _batch_sampling(self, active: list[_Seq]) -> BatchSamplingTensors:
         if self._sampling is None:
+            self._any_raw = None
             self._sampling = BatchSamplingTensors.build([s.params for s in active], self.device)
         return self._sampling
 
@@ -317,7 +320,9 @@ class RolloutEngine:
         """probs/logits [N, V], tokens [N] -> target logprob per row (processed or raw per request)."""
         idx = tokens.clamp(min=0).unsqueeze(1)
         lp = probs.gather(1, idx).squeeze(1).log()
-        if any(s.params.logprobs_mode == "raw" for s in active):
+        if self._any_raw is None:
+            self._any_raw = any(s.params.logprobs_mode == "raw" for s in active)
+        if self._any_raw:
             raw = torch.log_softmax(logits.float(), dim=-1).gather(1, idx).squeeze(1)
             per = len(tokens) // len(active)
             is_raw = torch.tensor([s.params.logprobs_mode == "raw" for s in active], device=lp.device)
@@ -347,7 +352,9 @@ class RolloutEngine:
         st = BatchSamplingTensors.build([s.params for s in joiners], self.device)
         probs = process_logits(logits, st)
         tok = sample_from_probs(probs, self._uniforms(joiners, 1)[:, 0])
+        self._any_raw = None  # computed for the joiners here, then again for the whole batch
         lp = self._logprobs(probs, logits, tok, joiners)
+        self._any_raw = None
         for s in joiners:
             active.append(s)
         self._sampling = None

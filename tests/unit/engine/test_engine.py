@@ -289,3 +289,16 @@ def test_ngram_lookup_matches_a_plain_scan() -> None:
         assert ngram_lookup(toks, 1, 4, 3) == plain(toks, 1, 4, 3)
     assert ngram_lookup([1, 2, 3, 9, 1, 2], 1, 3, 5) == [3, 9, 1, 2]
     assert ngram_lookup([1, 2, 3], 1, 3, 2) == []
+
+
+def test_mixed_logprob_modes_in_one_continuous_batch(target, draft) -> None:
+    cfg = dict(temperature=0.8, top_k=5, top_p=1.0)
+    modes = ["processed", "raw", "raw", "processed", "raw"]
+    params = [SamplingParams(max_new_tokens=6, seed=i, logprobs_mode=m, **cfg) for i, m in enumerate(modes)]
+    for method in ("none", "draft_model"):
+        outs = RolloutEngine(target, SpeculativeConfig(method=method), draft_model=draft,
+                             max_batch_size=2).generate(PROMPTS[:5], params)
+        for prompt, out, mode in zip(PROMPTS, outs, modes):
+            ref_cfg = cfg if mode == "processed" else dict(temperature=1.0, top_k=0, top_p=1.0)
+            np.testing.assert_allclose(out.logprobs, _teacher_forced_logprobs(target, prompt, out.token_ids, ref_cfg),
+                                       atol=1e-4)
