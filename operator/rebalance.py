@@ -18,7 +18,13 @@ rollout worker), ``f`` = ``longTailFraction``.
 * **Push towards trainer** (only when no pull rule fires and ``Q <= L·R``):
   - ``TrainerBacklog`` (async mode): ``B >= trainerBacklogHighWatermark`` — samples pile up for training;
   - ``LongTail``: the coordinator reports a long tail and ``A < f·S`` — a few long sequences occupy rollout
-    pods whose GPUs sit mostly idle.
+    pods whose GPUs sit mostly idle — *and* the last step's timings say a trainer pod would shorten the
+    step (:func:`trainer_gains`; without timings, e.g. before the first step, the tail alone decides).
+* **Balance from step timings** (``lastStep`` in the status): ``StepBalance`` pulls a trainer pod to rollout
+  when one more rollout worker would save more than one trainer fewer costs (:func:`rollout_gains`).
+  This rule was added after the cluster simulator (``specrl simulate``) showed that pushing in every long
+  tail drifts the split towards the trainer and makes the job slower than a static split: a moved pod only
+  joins its new role at the next step boundary, so the GPU the tail idles is not won back in that step.
 
 Guards, in order: elastic rebalancing enabled; the job is running (not Starting/Syncing/Complete/Failed);
 no worker still draining (one move at a time); a want that ``hysteresis`` consecutive polls agree on;
@@ -57,6 +63,31 @@ class WorkerState:
 
 
 @dataclass(frozen=True)
+class StepTiming:
+    """Where the last finished RL step spent its time (``lastStep`` in ``GET /status``), in seconds."""
+
+    rollout_seconds: float
+    long_tail_seconds: float
+    train_seconds: float
+
+    @property
+    def bulk_seconds(self) -> float:
+        """Rollout time before the long tail: the part that shrinks when rollout gets more workers."""
+        return max(self.rollout_seconds - self.long_tail_seconds, 0.0)
+
+    @classmethod
+    def from_status(cls, data: Any) -> StepTiming | None:
+        if not isinstance(data, dict):
+            return None
+        try:
+            t = cls(float(data["rolloutSeconds"]), float(data.get("longTailSeconds") or 0.0),
+                    float(data["trainSeconds"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return t if t.rollout_seconds > 0 and t.train_seconds > 0 else None
+
+
+@dataclass(frozen=True)
 class Signals:
     """The subset of the coordinator's ``GET /status`` that the policy reads."""
 
@@ -68,6 +99,7 @@ class Signals:
     phase: str = "Rollout"
     complete: bool = False
     workers: tuple[WorkerState, ...] = ()
+    last_step: StepTiming | None = None
 
     @classmethod
     def from_status(cls, status: dict[str, Any]) -> Signals:
@@ -86,6 +118,7 @@ class Signals:
             phase=str(status.get("phase") or "Rollout"),
             complete=bool(status.get("complete")),
             workers=workers,
+            last_step=StepTiming.from_status(status.get("lastStep")),
         )
 
     @property
@@ -128,6 +161,8 @@ class PolicyConfig:
     trainer_backlog_high_watermark: int = 256
     hysteresis: int = 3
     max_pods_per_move: int = 1
+    # How much better (relative) the other role must use a pod before step timings justify moving it.
+    balance_margin: float = 0.1
 
     def bounds(self, role: str) -> tuple[int, int]:
         return (self.trainer_min, self.trainer_max) if role == "trainer" else (self.rollout_min, self.rollout_max)
@@ -207,6 +242,21 @@ class Decision:
     held: str = ""  # why a want did not become a move (for logs and the simulator's trace)
 
 
+# Every (from_role, to_role, reason) :func:`want` can return, and the modes it can return it in.
+_REASONS: tuple[tuple[Role, Role, str, frozenset[str]], ...] = (
+    ("trainer", "rollout", "QueueBacklog", frozenset({"sync", "async"})),
+    ("trainer", "rollout", "TrainerStarved", frozenset({"async"})),
+    ("trainer", "rollout", "StepBalance", frozenset({"sync", "async"})),
+    ("rollout", "trainer", "TrainerBacklog", frozenset({"async"})),
+    ("rollout", "trainer", "LongTail", frozenset({"sync", "async"})),
+)
+
+
+def possible_moves(mode: str) -> tuple[tuple[Role, Role, str], ...]:
+    """The (from_role, to_role, reason) triples a job in ``mode`` can move by (its rebalance counters)."""
+    return tuple((src, dst, reason) for src, dst, reason, modes in _REASONS if mode in modes)
+
+
 def want(s: Signals, alloc: Allocation, cfg: PolicyConfig) -> Want | None:
     """The direction the signals ask for in this allocation, ignoring every guard."""
     r = max(alloc.rollout, 1)
@@ -222,11 +272,44 @@ def want(s: Signals, alloc: Allocation, cfg: PolicyConfig) -> Want | None:
     tb = cfg.trainer_backlog_high_watermark
     if cfg.mode == "async" and s.trainer_backlog >= tb:
         return Want("rollout", "trainer", "TrainerBacklog", f"trainer backlog {s.trainer_backlog} >= {tb} samples")
+    if s.last_step is not None and rollout_gains(s.last_step, alloc, cfg):
+        t = s.last_step
+        return Want("trainer", "rollout", "StepBalance",
+                    f"last step: rollout {t.rollout_seconds:.0f}s ({t.long_tail_seconds:.0f}s long tail) vs "
+                    f"training {t.train_seconds:.0f}s: a rollout worker saves more than a trainer costs")
     if s.long_tail and (s.step_batch_size <= 0 or s.active_sequences < cfg.long_tail_fraction * s.step_batch_size):
+        if s.last_step is not None and not trainer_gains(s.last_step, alloc, cfg):
+            return None  # the tail idles rollout GPUs, but a trainer would not shorten the step
         return Want("rollout", "trainer", "LongTail",
                     f"long tail: {s.active_sequences} of {s.step_batch_size} sequences still decoding "
                     f"(< {cfg.long_tail_fraction:g} of the step)")
     return None
+
+
+def trainer_gains(t: StepTiming, alloc: Allocation, cfg: PolicyConfig) -> bool:
+    """Would moving one rollout pod to training shorten the step, judged on the last step's timings?
+
+    Sync: a step is rollout + training. Training time scales as 1/trainers and the pre-tail part of the
+    rollout as 1/rollout workers (the tail itself is one long sequence on one worker and does not shrink),
+    so the move gains train/(T+1) and costs bulk/(R-1). Async: the slower role sets the pace, so only a
+    trainer-bound job gains.
+    """
+    tr, ro = max(alloc.trainer, 1), alloc.rollout
+    if ro <= 1:
+        return False
+    if cfg.mode == "async":
+        return t.train_seconds > (1 + cfg.balance_margin) * t.rollout_seconds
+    return t.train_seconds / (tr + 1) > (1 + cfg.balance_margin) * t.bulk_seconds / (ro - 1)
+
+
+def rollout_gains(t: StepTiming, alloc: Allocation, cfg: PolicyConfig) -> bool:
+    """The mirror of :func:`trainer_gains`: would one more rollout pod (one trainer fewer) shorten the step?"""
+    tr, ro = alloc.trainer, max(alloc.rollout, 1)
+    if tr <= 1:
+        return False
+    if cfg.mode == "async":
+        return t.rollout_seconds > (1 + cfg.balance_margin) * t.train_seconds
+    return t.bulk_seconds / (ro + 1) > (1 + cfg.balance_margin) * t.train_seconds / (tr - 1)
 
 
 def pick_victim(role: str, pods: Iterable[str], exclude: Sequence[str] = ()) -> str | None:

@@ -78,11 +78,15 @@ def alpha_at(s: Scenario, step: int) -> float:
     return max(acc.min_alpha, acc.alpha - lost)
 
 
-def _signals(phase: RolloutPhase, t: float, backlog: int, in_rollout: bool) -> rebalance.Signals:
+def _signals(phase: RolloutPhase, t: float, backlog: int, in_rollout: bool, long_tail_fraction: float,
+             last: StepRecord | None) -> rebalance.Signals:
+    """What the coordinator's GET /status would say at time t of this step."""
     queue, active = phase.status_at(t) if in_rollout else (0, 0)
-    long_tail = in_rollout and queue == 0 and active <= 0.25 * phase.sequences  # coordinator's own detector
+    long_tail = in_rollout and queue == 0 and active <= long_tail_fraction * phase.sequences
+    timing = (rebalance.StepTiming(last.rollout_seconds, last.long_tail_seconds, last.train_seconds)
+              if last is not None else None)
     return rebalance.Signals(queue_depth=queue, active_sequences=active, step_batch_size=phase.sequences,
-                             long_tail=long_tail, trainer_backlog=backlog,
+                             long_tail=long_tail, trainer_backlog=backlog, last_step=timing,
                              phase="LongTail" if long_tail else ("Rollout" if in_rollout else "Training"))
 
 
@@ -152,15 +156,15 @@ def simulate(s: Scenario, trainer_gpus: int | None = None, elastic: bool | None 
                          phase.sd_share, int(lengths.sum()))
         if cfg is not None:
             last_move, streak = _poll(s, cfg, phase, rollout_start, train_start, train, trainers, rollout_gpus,
-                                      last_move, streak, pending, rec)
+                                      last_move, streak, pending, rec, records[-1] if records else None)
         records.append(rec)
     return SimResult(s.name, records, clock, phase)
 
 
 def _poll(s: Scenario, cfg: rebalance.PolicyConfig, phase: RolloutPhase, rollout_start: float, train_start: float,
           train: float, trainers: int, rollout_gpus: int, last: rebalance.LastMove | None,
-          streak: rebalance.Streak, pending: list[tuple[float, int]],
-          rec: StepRecord) -> tuple[rebalance.LastMove | None, rebalance.Streak]:
+          streak: rebalance.Streak, pending: list[tuple[float, int]], rec: StepRecord,
+          previous: StepRecord | None) -> tuple[rebalance.LastMove | None, rebalance.Streak]:
     """Poll the policy through this step's timeline, as the operator's timer would."""
     e, tp = s.elastic, s.rollout.tensor_parallel
     end = max(rollout_start + phase.duration, train_start + train)
@@ -168,7 +172,7 @@ def _poll(s: Scenario, cfg: rebalance.PolicyConfig, phase: RolloutPhase, rollout
     while t < end:
         in_rollout = t < rollout_start + phase.duration
         backlog = s.workload.prompts_per_step if (s.mode == "async" and not in_rollout and t < train_start) else 0
-        signals = _signals(phase, t - rollout_start, backlog, in_rollout)
+        signals = _signals(phase, t - rollout_start, backlog, in_rollout, e.long_tail_fraction, previous)
         if pending:
             signals = rebalance.Signals(**{**signals.__dict__, "workers": (
                 rebalance.WorkerState("victim", "rollout", "draining"),)})

@@ -10,10 +10,12 @@ from specrl.operator.rebalance import (
     LastMove,
     PolicyConfig,
     Signals,
+    StepTiming,
     Streak,
     WorkerState,
     decide,
     pick_victim,
+    possible_moves,
     want,
 )
 from specrl.runtime.api import RLJob
@@ -174,6 +176,7 @@ signals_st = st.builds(
     long_tail=st.booleans(),
     trainer_backlog=st.integers(0, 2000),
     phase=st.sampled_from(["Rollout", "LongTail", "Training"]),
+    last_step=st.none() | st.builds(StepTiming, st.floats(1, 1000), st.floats(0, 1000), st.floats(1, 1000)),
 )
 
 
@@ -239,3 +242,69 @@ def test_property_constant_input_never_oscillates(setup, signals):
     # ...and it settles: the last polls of a constant input make no move.
     d = decide(signals, alloc, cfg, now, last, streak)
     assert d.move is None
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_possible_moves_are_exactly_what_want_can_return(mode: str):
+    # possible_moves() pre-creates the rebalance counters: it must name every want, and nothing else.
+    cfg = PolicyConfig(**{**CFG.__dict__, "mode": mode})
+    seen = set()
+    for q in (0, 5, 20, 50):
+        for backlog in (0, 10, 200):
+            for tail in (False, True):
+                for active in (1, 100):
+                    for timing in (None, StepTiming(100, 10, 10), StepTiming(10, 1, 100)):
+                        w = want(Signals(queue_depth=q, trainer_backlog=backlog, long_tail=tail,
+                                         active_sequences=active, step_batch_size=64, last_step=timing), ALLOC, cfg)
+                        if w is not None:
+                            seen.add((w.from_role, w.to_role, w.reason))
+    assert seen == set(possible_moves(mode))
+
+
+# ---- step timings: move a GPU only where it shortens the step -------------------------------------------
+
+TAIL = dict(queue_depth=0, long_tail=True, active_sequences=3, step_batch_size=64)
+
+
+def test_long_tail_push_needs_a_trainer_that_would_shorten_the_step():
+    # sync, 4/4: a trainer pod saves train/(T+1), a rollout pod less costs bulk/(R-1)
+    slow_training = StepTiming(rollout_seconds=100, long_tail_seconds=60, train_seconds=100)  # 20 > 1.1 * 13.3
+    fast_training = StepTiming(rollout_seconds=100, long_tail_seconds=10, train_seconds=20)   # 4 < 1.1 * 30
+    d = one(Signals(**TAIL, last_step=slow_training))
+    assert d.move is not None and d.move.reason == "LongTail"
+    # with fast training the tail is no reason to shrink rollout; the bulk even asks for another rollout pod
+    d = one(Signals(**TAIL, last_step=fast_training))
+    assert d.move is not None and (d.move.to_role, d.move.reason) == ("rollout", "StepBalance")
+    t = StepTiming(rollout_seconds=100, long_tail_seconds=60, train_seconds=40)  # push 8 < 1.1*13.3, pull 8 < 14.7
+    assert want(Signals(**TAIL, last_step=t), ALLOC, CFG) is None
+
+
+def test_step_balance_pulls_to_rollout_when_rollout_bulk_dominates():
+    t = StepTiming(rollout_seconds=300, long_tail_seconds=20, train_seconds=30)  # 280/5 = 56 > 1.1 * 30/3
+    d = one(Signals(queue_depth=0, last_step=t))
+    assert d.move is not None
+    assert (d.move.from_role, d.move.to_role, d.move.reason) == ("trainer", "rollout", "StepBalance")
+    assert "300s" in d.move.message
+
+
+def test_step_balance_holds_near_the_balance_point():
+    # sync 4/4: pull needs bulk/5 > 1.1*train/3, push needs train/5 > 1.1*bulk/3: neither holds here
+    t = StepTiming(rollout_seconds=110, long_tail_seconds=10, train_seconds=100)
+    assert one(Signals(**TAIL, last_step=t)).move is None
+
+
+def test_async_timing_rules_follow_the_slower_role():
+    cfg = PolicyConfig(**{**CFG.__dict__, "mode": "async"})
+    trainer_bound = StepTiming(rollout_seconds=50, long_tail_seconds=10, train_seconds=100)
+    rollout_bound = StepTiming(rollout_seconds=100, long_tail_seconds=10, train_seconds=50)
+    d = one(Signals(**TAIL, trainer_backlog=1, last_step=trainer_bound), cfg=cfg)
+    assert d.move is not None and d.move.to_role == "trainer"
+    d = one(Signals(**TAIL, trainer_backlog=1, last_step=rollout_bound), cfg=cfg)
+    assert d.move is not None and (d.move.to_role, d.move.reason) == ("rollout", "StepBalance")
+
+
+def test_last_step_parsed_from_coordinator_json():
+    s = Signals.from_status({"lastStep": {"rolloutSeconds": 12.5, "longTailSeconds": 4, "trainSeconds": 3}})
+    assert s.last_step == StepTiming(12.5, 4.0, 3.0) and s.last_step.bulk_seconds == 8.5
+    assert Signals.from_status({"lastStep": {"rolloutSeconds": "x"}}).last_step is None
+    assert Signals.from_status({}).last_step is None
