@@ -144,5 +144,5 @@ async def execute(
                   f"moved one pod {pending.from_role} -> {pending.to_role} ({pending.reason}): "
                   f"{pending.victim} drained and deleted, {pending.new_pod} created", now(), generation)
     await persist(status)
-    m.REBALANCES.labels(pending.from_role, pending.to_role, pending.reason).inc()
+    m.count_rebalance(owner.namespace, owner.name, pending.from_role, pending.to_role, pending.reason)
     return True

@@ -2,30 +2,26 @@
 
 Served by ``specrl operator --metrics-port`` at ``/metrics``. Only the operator writes these; the
 runtime's metrics live in ``specrl.runtime.metrics``.
+
+Per-job series (allocation, conditions, rebalances, coordinator errors) are rendered at scrape time from
+one entry per RLJob, the way kube-state-metrics exports object state: a job's series appear when it is first
+reconciled and all disappear with :func:`forget_job` when it is deleted, and a condition whose reason changes
+is exported under the new reason only (never a stale series under the old one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
-ALLOCATION = Gauge(
-    "specrl_operator_allocation_replicas",
-    "Pods the operator allocates to each role of a job (after rebalancing).",
-    ["namespace", "job", "role"],
-    registry=REGISTRY,
-)
-REBALANCES = Counter(
-    "specrl_operator_rebalance_total",
-    "Pods moved between roles by the elastic rebalancer.",
-    ["from_role", "to_role", "reason"],
-    registry=REGISTRY,
-)
 RECONCILE_SECONDS = Histogram(
     "specrl_operator_reconcile_duration_seconds",
     "Wall time of one reconciliation of one RLJob (handler or timer tick).",
@@ -39,46 +35,108 @@ API_WRITES = Counter(
     ["verb", "kind"],
     registry=REGISTRY,
 )
-COORDINATOR_ERRORS = Counter(
-    "specrl_operator_coordinator_errors_total",
-    "Failed polls of a job coordinator's GET /status.",
-    ["namespace", "job"],
-    registry=REGISTRY,
-)
 
-_phases: dict[tuple[str, str], str] = {}
+PHASES = ("Pending", "Running", "Suspended", "Complete", "Failed")
 
 
-class _JobsByPhase(Collector):
-    """``specrl_operator_jobs{phase}``: RLJobs this operator serves, by phase (computed at scrape)."""
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        fam = GaugeMetricFamily("specrl_operator_jobs", "RLJobs served by this operator, by phase.", labels=["phase"])
-        counts: dict[str, int] = {p: 0 for p in ("Pending", "Running", "Suspended", "Complete", "Failed")}
-        for phase in list(_phases.values()):
-            counts[phase] = counts.get(phase, 0) + 1
-        for phase, n in sorted(counts.items()):
-            fam.add_metric([phase], n)
-        yield fam
+@dataclass
+class _Job:
+    phase: str | None = None
+    replicas: dict[str, int] = field(default_factory=dict)
+    gpus: dict[str, int] = field(default_factory=dict)
+    conditions: dict[str, tuple[str, bool]] = field(default_factory=dict)  # type -> (reason, status is True)
+    rebalances: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (from, to, reason) -> count
+    coordinator_errors: float = 0.0
 
 
-REGISTRY.register(_JobsByPhase())
+_lock = threading.Lock()  # scrapes run in the metrics server's thread, updates in kopf's event loop
+_jobs: dict[tuple[str, str], _Job] = {}
 
 
-def observe_job(namespace: str, job: str, phase: str | None, allocation: dict[str, int] | None) -> None:
-    if phase:
-        _phases[(namespace, job)] = phase
-    for role, replicas in (allocation or {}).items():
-        ALLOCATION.labels(namespace=namespace, job=job, role=role).set(replicas)
+def _job(namespace: str, job: str) -> _Job:
+    return _jobs.setdefault((namespace, job), _Job())
+
+
+def observe_job(namespace: str, job: str, status: Mapping[str, Any]) -> None:
+    """Export a job's phase, allocation and conditions as its status says (called wherever status is written)."""
+    with _lock:
+        entry = _job(namespace, job)
+        entry.phase = status.get("phase") or entry.phase
+        for role, alloc in (status.get("allocation") or {}).items():
+            entry.replicas[role] = int(alloc.get("replicas", 0))
+            entry.gpus[role] = int(alloc.get("gpus", 0))
+        entry.conditions = {str(c["type"]): (str(c.get("reason") or ""), c.get("status") == "True")
+                            for c in status.get("conditions") or () if c.get("type")}
+
+
+def expect_rebalances(namespace: str, job: str, moves: Iterable[tuple[str, str, str]]) -> None:
+    """Create the job's rebalance counters at 0 for every (from_role, to_role, reason) it can see, so that
+    panels show 0 instead of "No data" and ``increase()`` sees the first move (a series born at 1 has none)."""
+    with _lock:
+        counts = _job(namespace, job).rebalances
+        for move in moves:
+            counts.setdefault(move, 0.0)
+
+
+def count_rebalance(namespace: str, job: str, from_role: str, to_role: str, reason: str) -> None:
+    with _lock:
+        counts = _job(namespace, job).rebalances
+        counts[(from_role, to_role, reason)] = counts.get((from_role, to_role, reason), 0.0) + 1
+
+
+def count_coordinator_error(namespace: str, job: str) -> None:
+    with _lock:
+        _job(namespace, job).coordinator_errors += 1
 
 
 def forget_job(namespace: str, job: str) -> None:
-    _phases.pop((namespace, job), None)
-    for role in ("trainer", "rollout"):
-        try:
-            ALLOCATION.remove(namespace, job, role)
-        except KeyError:
-            pass
+    """Drop every series of a deleted job."""
+    with _lock:
+        _jobs.pop((namespace, job), None)
+
+
+class _JobState(Collector):
+    """Every per-job family, rendered from the job entries at scrape time."""
+
+    def collect(self) -> Iterator[Metric]:
+        with _lock:
+            jobs = {key: _Job(e.phase, dict(e.replicas), dict(e.gpus), dict(e.conditions), dict(e.rebalances),
+                              e.coordinator_errors) for key, e in _jobs.items()}
+        phases = GaugeMetricFamily("specrl_operator_jobs", "RLJobs served by this operator, by phase.",
+                                   labels=["phase"])
+        replicas = GaugeMetricFamily("specrl_operator_allocation_replicas",
+                                     "Pods the operator allocates to each role of a job (after rebalancing).",
+                                     labels=["namespace", "job", "role"])
+        gpus = GaugeMetricFamily("specrl_operator_allocation_gpus",
+                                 "GPUs the operator allocates to each role of a job (replicas x gpusPerPod).",
+                                 labels=["namespace", "job", "role"])
+        conditions = GaugeMetricFamily(
+            "specrl_operator_job_condition",
+            "Status conditions of a job: 1 when the condition is True, 0 otherwise; reason is the current one.",
+            labels=["namespace", "job", "condition", "reason"])
+        rebalances = CounterMetricFamily("specrl_operator_rebalance",
+                                         "Pods moved between roles by the elastic rebalancer.",
+                                         labels=["namespace", "job", "from_role", "to_role", "reason"])
+        errors = CounterMetricFamily("specrl_operator_coordinator_errors",
+                                     "Failed polls of a job coordinator's GET /status.", labels=["namespace", "job"])
+        counts = dict.fromkeys(PHASES, 0)
+        for (ns, name), e in sorted(jobs.items()):
+            if e.phase:
+                counts[e.phase] = counts.get(e.phase, 0) + 1
+            for role in sorted(e.replicas):
+                replicas.add_metric([ns, name, role], e.replicas[role])
+                gpus.add_metric([ns, name, role], e.gpus[role])
+            for ctype, (reason, true) in e.conditions.items():
+                conditions.add_metric([ns, name, ctype, reason], 1.0 if true else 0.0)
+            for (src, dst, reason), n in sorted(e.rebalances.items()):
+                rebalances.add_metric([ns, name, src, dst, reason], n)
+            errors.add_metric([ns, name], e.coordinator_errors)
+        for phase, n in sorted(counts.items()):
+            phases.add_metric([phase], n)
+        yield from (phases, replicas, gpus, conditions, rebalances, errors)
+
+
+REGISTRY.register(_JobState())
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:

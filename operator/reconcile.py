@@ -28,7 +28,15 @@ from specrl.operator import actuator, children
 from specrl.operator import metrics as m
 from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError
 from specrl.operator.kube import KubeClient
-from specrl.operator.rebalance import Allocation, LastMove, PolicyConfig, Signals, Streak, decide
+from specrl.operator.rebalance import (
+    Allocation,
+    LastMove,
+    PolicyConfig,
+    Signals,
+    Streak,
+    decide,
+    possible_moves,
+)
 from specrl.operator.status import (
     condition_true,
     get_condition,
@@ -244,6 +252,12 @@ class StatusWriter:
     def __init__(self, rt: Runtime, body: Mapping[str, Any], owner: children.Owner) -> None:
         self.rt, self.body, self.owner = rt, body, owner
         self.current = managed(body.get("status"))
+        self.deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
+
+    def _observe(self, new: Mapping[str, Any]) -> None:
+        # The metrics follow the status as written; a tick racing the delete handler must not revive them.
+        if not self.deleting:
+            m.observe_job(self.owner.namespace, self.owner.name, new)
 
     def _events(self, new: Mapping[str, Any]) -> None:
         for t in transitions(self.current, new):
@@ -256,6 +270,7 @@ class StatusWriter:
             m.API_WRITES.labels("patch", "RLJob/status").inc()
             self._events(new)
             self.current = copy.deepcopy(new)
+        self._observe(new)
 
     def final(self, new: dict[str, Any]) -> dict[str, Any]:
         """The patch still to apply (by kopf, merged with its own bookkeeping); posts transition events."""
@@ -266,6 +281,7 @@ class StatusWriter:
         if patch:
             self._events(new)
             m.API_WRITES.labels("patch", "RLJob/status").inc()
+        self._observe(new)
         return patch
 
 
@@ -321,12 +337,13 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
         st["phase"], st["message"] = "Failed", f"invalid spec: {problem}"
         set_condition(st, "Failed", True, "InvalidSpec", problem, now, gen)
         set_condition(st, "Ready", False, "InvalidSpec", problem, now, gen)
-        m.observe_job(*key, "Failed", None)
         return writer.final(st)
     if get_condition(st, "Failed") and get_condition(st, "Failed").get("reason") == "InvalidSpec":
         # The spec was fixed: start over as a fresh job.
         st = {k: v for k, v in st.items() if k in ("observedGeneration",)}
 
+    if not writer.deleting:
+        m.expect_rebalances(*key, possible_moves(job.spec.mode))
     applied = st.setdefault("applied", {})
     applied.setdefault("model", IMMUTABLE[0][1](job))
     applied.setdefault("image", job.spec.resources.image)
@@ -339,7 +356,6 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
     if phase in ("Complete", "Failed"):
         extra = [p.name for p in pods.values() if p.role in children.WORKER_ROLES and not p.deleting]
         await _delete_pods(rt, owner, extra)
-        m.observe_job(*key, phase, alloc)
         return writer.final(st)
 
     if changes:
@@ -388,7 +404,6 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
             await writer.persist(st)
             await _delete_pods(rt, owner, [p.name for p in pods.values()
                                            if p.role in children.WORKER_ROLES and not p.deleting])
-            m.observe_job(*key, "Failed", alloc)
             return writer.final(st)
         delay = min(rt.config.restart_backoff_max, rt.config.restart_backoff_base * 2 ** (restarts - 1))
         st["nextRetryTime"] = now_iso(now + delay)
@@ -437,7 +452,6 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
     want = children.desired(job, owner, alloc_now, list(pods), workers=not suspended).pods
     if st.get("phase") not in ("Complete", "Failed", "Suspended"):
         _ready_condition(st, want, pods, now, gen)
-    m.observe_job(*key, st.get("phase"), alloc_now)
     del desired_alloc
     return writer.final(st)
 
@@ -468,7 +482,7 @@ async def _observe_coordinator(rt: Runtime, job: RLJob, owner: children.Owner, s
     try:
         data = await rt.coord.status(owner.namespace, owner.name)
     except CoordinatorError as exc:
-        m.COORDINATOR_ERRORS.labels(*key).inc()
+        m.count_coordinator_error(*key)
         if st.get("phase") == "Pending":
             # Starting up: the coordinator pod may not be scheduled or listening yet; that is not degraded.
             st["message"] = "waiting for the coordinator to answer GET /status"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from specrl.operator.rebalance import possible_moves
 
 from .conftest import RLJOBS, ROOT, KubeEnv, OperatorProcess, wait_for
 
@@ -262,15 +264,39 @@ def test_rebalance_trace_moves_roles_with_drains_before_deletions(kube: KubeEnv,
     _report("kubectl_get_rlj_trace", kube.kubectl("get", "rlj", "-n", ns).stdout.splitlines())
 
     # The operator's own metrics tell the same story.
-    text = urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).read().decode()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("specrl_operator_rebalance_total{"):
-            reason = line.split('reason="')[1].split('"')[0]
-            totals[reason] = totals.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
-    assert totals.get("QueueBacklog", 0) >= 4 and totals.get("LongTail", 0) >= 4 and totals.get("TrainerBacklog", 0) >= 2
+    text = metrics_text(operator)
+    totals = {(s["from_role"], s["to_role"], s["reason"]): v
+              for s, v in samples(text, "specrl_operator_rebalance_total", namespace=ns, job=name)}
+    # Per job and direction, exactly the moves of the trace; every other move this job could make exists at 0.
+    assert totals == {**dict.fromkeys(possible_moves("async"), 0.0), ("trainer", "rollout", "QueueBacklog"): 4,
+                      ("rollout", "trainer", "LongTail"): 4, ("rollout", "trainer", "TrainerBacklog"): 2}
     assert f'specrl_operator_allocation_replicas{{job="{name}",namespace="{ns}",role="trainer"}} 5.0' in text
-    _report("operator_metrics_rebalance_total", totals)
+    assert f'specrl_operator_allocation_gpus{{job="{name}",namespace="{ns}",role="rollout"}} 1.0' in text
+    # One series per condition, mirroring the status: 1 when True, under its current reason.
+    def exported() -> dict[str, tuple[str, float]]:
+        return {s["condition"]: (s["reason"], v) for s, v in
+                samples(metrics_text(operator), "specrl_operator_job_condition", namespace=ns, job=name)}
+
+    conditions = wait_for(lambda: (e := exported()) == {
+        c["type"]: (c["reason"], 1.0 if c["status"] == "True" else 0.0)
+        for c in status(kube, ns, name)["conditions"]} and e, 10, "job_condition series equal to status.conditions")
+    assert conditions["Rebalancing"] == ("MoveComplete", 0)
+    _report("operator_metrics_rebalance_total", {"/".join(k): v for k, v in totals.items()})
+
+
+def metrics_text(operator: OperatorProcess) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).read().decode()
+
+
+def samples(text: str, metric: str, **match: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of `metric` whose labels include `match`."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(metric + "{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line[len(metric):line.rindex("}")]))
+            if all(labels.get(k) == v for k, v in match.items()):
+                out.append((labels, float(line.rsplit(" ", 1)[1])))
+    return out
 
 
 def test_suspend_resume_and_delete(kube: KubeEnv, operator: OperatorProcess):
@@ -291,12 +317,15 @@ def test_suspend_resume_and_delete(kube: KubeEnv, operator: OperatorProcess):
              "workers recreated on resume")
     wait_for(lambda: condition(status(kube, ns, name), "Suspended").get("reason") == "Resumed", 10, "Resumed")
 
+    assert f'job="{name}",namespace="{ns}"' in metrics_text(operator)
     kube.kubectl("delete", "rlj", name, "-n", ns, "--wait=false")
     wait_for(lambda: kube.job(ns, name) is None, 20, "the RLJob to be gone (finalizer released)")
     wait_for(lambda: not kube.pods(ns, name), 20, "pods gone")
     for resource in ("v1/configmaps", "v1/secrets", "v1/services"):
         assert not [o for o in kube.objects(resource, ns).values()
                     if o["metadata"].get("labels", {}).get("specrl.io/job") == name]
+    # No stale series of the deleted job on /metrics (allocation, conditions, rebalance counters).
+    assert f'job="{name}",namespace="{ns}"' not in metrics_text(operator)
 
 
 def _strip_cel(node: Any) -> Any:

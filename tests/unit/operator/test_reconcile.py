@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 from specrl.operator import children
+from specrl.operator import metrics as m
 from specrl.operator.coordinator_client import CoordinatorError
+from specrl.operator.rebalance import possible_moves
 from specrl.operator.reconcile import OperatorConfig, PodInfo, Runtime, reconcile
 from specrl.operator.status import get_condition
 
@@ -110,7 +112,9 @@ def env():
     kube, coord, events, clock = FakeKube(), FakeCoord(), [], Clock()
     rt = Runtime(config=OperatorConfig(restart_backoff_base=10, drain_poll=0.01), kube=kube, coord=coord,
                  emit=lambda body, t, reason, msg: events.append((t, reason, msg)), clock=clock)
-    return rt, kube, coord, events, clock
+    m.forget_job("ns", "j")
+    yield rt, kube, coord, events, clock
+    m.forget_job("ns", "j")
 
 
 async def run(rt, kube, body, trigger="timer", phase="Running"):
@@ -337,3 +341,76 @@ async def test_coordinator_not_up_yet_keeps_the_job_pending_not_degraded(env):
     assert st["phase"] == "Pending" and "waiting for the coordinator" in st["message"]
     assert get_condition(st, "Degraded")["status"] == "False"
     assert not [e for e in events if e[0] == "Warning"]
+
+
+def sample(name: str, **labels: str) -> float | None:
+    return m.REGISTRY.get_sample_value(name, {"namespace": "ns", "job": "j", **labels})
+
+
+def job_series(name: str) -> list[dict[str, str]]:
+    return [dict(s.labels) for fam in m.REGISTRY.collect() for s in fam.samples
+            if s.name == name and s.labels.get("job") == "j" and s.labels.get("namespace") == "ns"]
+
+
+async def test_metrics_follow_the_status_and_count_moves(env):
+    rt, kube, coord, _events, _ = env
+    body = copy.deepcopy(JOB)
+    body["spec"]["resources"].update(gpusPerPod=2, totalGPUs=8)
+    await run(rt, kube, body, "create")
+    assert sample("specrl_operator_allocation_replicas", role="rollout") == 2
+    assert sample("specrl_operator_allocation_gpus", role="rollout") == 4
+    assert sample("specrl_operator_job_condition", condition="Ready", reason="Pending") == 0
+    # Every move a sync job can make exists at 0 from the first reconcile on; async-only reasons do not.
+    moves = {(s["from_role"], s["to_role"], s["reason"]) for s in job_series("specrl_operator_rebalance_total")}
+    assert moves == set(possible_moves("sync")) and ("trainer", "rollout", "TrainerStarved") not in moves
+    assert sample("specrl_operator_rebalance_total", from_role="trainer", to_role="rollout",
+                  reason="QueueBacklog") == 0
+    await run(rt, kube, body)
+    assert sample("specrl_operator_job_condition", condition="Ready", reason="AllPodsRunning") == 1
+    coord.state["queueDepth"] = 50
+    await run(rt, kube, body)
+    assert sample("specrl_operator_rebalance_total", from_role="trainer", to_role="rollout",
+                  reason="QueueBacklog") == 1
+    assert sample("specrl_operator_rebalance_total", from_role="rollout", to_role="trainer", reason="LongTail") == 0
+    assert (sample("specrl_operator_allocation_gpus", role="trainer"),
+            sample("specrl_operator_allocation_gpus", role="rollout")) == (2, 6)
+    assert sample("specrl_operator_job_condition", condition="Rebalancing", reason="MoveComplete") == 0
+
+
+async def test_async_job_precreates_the_async_only_moves_too(env):
+    rt, kube, _coord, _events, _ = env
+    body = copy.deepcopy(JOB)
+    body["spec"]["mode"] = "async"
+    await run(rt, kube, body, "create")
+    moves = {(s["from_role"], s["to_role"], s["reason"]) for s in job_series("specrl_operator_rebalance_total")}
+    assert moves == set(possible_moves("async")) and ("rollout", "trainer", "TrainerBacklog") in moves
+
+
+async def test_degraded_condition_metric_tracks_reason_and_recovery(env):
+    rt, kube, coord, _events, _ = env
+    body = copy.deepcopy(JOB)
+    await run(rt, kube, body, "create")
+    await run(rt, kube, body)
+    assert sample("specrl_operator_coordinator_errors_total") == 0
+    coord.fail = True
+    await run(rt, kube, body)
+    degraded = [s for s in job_series("specrl_operator_job_condition") if s["condition"] == "Degraded"]
+    assert [d["reason"] for d in degraded] == ["CoordinatorUnreachable"]
+    assert sample("specrl_operator_job_condition", condition="Degraded", reason="CoordinatorUnreachable") == 1
+    assert sample("specrl_operator_coordinator_errors_total") == 1
+    coord.fail = False
+    await run(rt, kube, body)
+    degraded = [s for s in job_series("specrl_operator_job_condition") if s["condition"] == "Degraded"]
+    assert [d["reason"] for d in degraded] == ["AsExpected"]  # the old reason's series is gone
+    assert sample("specrl_operator_job_condition", condition="Degraded", reason="AsExpected") == 0
+
+
+async def test_a_reconcile_of_a_deleted_job_does_not_revive_its_series(env):
+    rt, kube, _coord, _events, _ = env
+    body = copy.deepcopy(JOB)
+    await run(rt, kube, body, "create")
+    m.forget_job("ns", "j")  # what the delete handler does
+    body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    await run(rt, kube, body)
+    assert job_series("specrl_operator_allocation_replicas") == []
+    assert job_series("specrl_operator_rebalance_total") == []
