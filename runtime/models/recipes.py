@@ -117,7 +117,7 @@ BUILTIN_RECIPES: dict[str, Recipe] = {
             description="draft for bench: 2 narrow layers, distilled from bench's temperature-1 samples",
             hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
             steps=300, batch_tokens=4096, lr=3e-3, warmup_steps=30,
-            teacher="bench", teacher_samples=800, teacher_max_new_tokens=160,
+            teacher="bench", teacher_samples=400, teacher_max_new_tokens=128,
         ),
     )
 }
