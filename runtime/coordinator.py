@@ -204,6 +204,11 @@ class JobCoordinator:
         self._resume_from = resume_from
         train, _ = load_problem_split(settings)
         self.dataset_size = len(train)
+        if not settings.dataset.startswith("builtin:"):
+            from specrl.runtime.rl.task import load_jsonl
+
+            # Malformed lines were skipped with a warning; the count stays visible on the dashboard.
+            self.cm.dataset_malformed_lines.inc(load_jsonl(settings.dataset).malformed)
         self.http = None
         if http_port is not None:
             from specrl.runtime.coordinator_http import HttpServer

@@ -387,6 +387,11 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
 
 
 def _save(fig, path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:
+        if ax.get_xlabel() == "RL step":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     import matplotlib.pyplot as plt

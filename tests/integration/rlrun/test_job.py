@@ -117,11 +117,19 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
         coord.shutdown()
 
 
-def test_async_job_with_raising_reward(local_ray, micro):
+def test_async_job_with_jsonl_dataset_and_raising_reward(local_ray, micro, tmp_path):
+    import json
+
     from micro import micro_settings
 
+    from specrl.runtime.rl.task import SyntheticTask
+
+    data = tmp_path / "train.jsonl"
+    lines = [json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in SyntheticTask(40, None, 5)]
+    lines.insert(3, "{not json")  # skipped with a counted warning
+    data.write_text("\n".join(lines) + "\n")
     s = micro_settings(steps=3, rollouts=2, mode="async", max_staleness=1, reward="rewards_for_tests:raising",
-                       drafter_training=False)
+                       drafter_training=False, dataset=str(data), eval_size=4)
     coord = JobCoordinator(s)
     try:
         coord.start()
@@ -135,6 +143,8 @@ def test_async_job_with_raising_reward(local_ray, micro):
         line = next(x for x in body.splitlines() if x.startswith("specrl_reward_errors_total") and
                     'role="coordinator"' in x)
         assert float(line.rsplit(" ", 1)[1]) == 3 * s.prompts_per_step * s.group_size
+        line = next(x for x in body.splitlines() if x.startswith("specrl_dataset_malformed_lines_total{"))
+        assert float(line.rsplit(" ", 1)[1]) == 1
         _assert_ledger_clean(coord, 3, s.prompts_per_step)
     finally:
         coord.shutdown()
