@@ -121,7 +121,6 @@ def test_async_job_with_jsonl_dataset_and_raising_reward(local_ray, micro, tmp_p
     import json
 
     from micro import micro_settings
-
     from specrl.runtime.rl.task import SyntheticTask
 
     data = tmp_path / "train.jsonl"
