@@ -2,8 +2,11 @@
 
 As RL moves the policy, a frozen drafter's acceptance decays and speculation stops paying. While a trainer
 waits for samples (the rollout phase, and above all its long tail, when most rollout capacity idles) it
-fits the drafter to the policy's own recent rollouts: next-token cross-entropy on the response tokens
-the policy sampled, from a small replay buffer of recent steps. The trained drafter ships with the next
+fits the drafter to the *current* policy along its own recent rollouts: forward KL(policy || drafter) on the
+response positions, with the policy's full next-token distributions computed on the spot (the trainer holds
+the policy), from a small replay buffer of recent steps. Matching distributions, not just the sampled
+tokens, is what speculative acceptance (sum of min(p, q)) rewards. Without a teacher it falls back to
+cross-entropy on the sampled tokens. The trained drafter ships with the next
 weight sync (`drafter.*` tensors next to `policy.*`), so every rollout worker's proposer is refreshed in the
 same transfer.
 """
@@ -43,7 +46,7 @@ class DrafterTrainer:
             if len(seq) > n:
                 self.buffer.append((list(seq), int(n)))
 
-    def loss_on(self, batch: list[tuple[list[int], int]]) -> torch.Tensor:
+    def loss_on(self, batch: list[tuple[list[int], int]], teacher: torch.nn.Module | None = None) -> torch.Tensor:
         T = max(len(s) for s, _ in batch)
         ids = torch.zeros((len(batch), T), dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -53,11 +56,18 @@ class DrafterTrainer:
             attn[i, : len(seq)] = 1
             labels[i, n: len(seq)] = torch.tensor(seq[n:])  # only response tokens are drafted
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                                                 ignore_index=-100)
+        if teacher is None:
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                     labels[:, 1:].reshape(-1), ignore_index=-100)
+        with torch.no_grad():
+            target = torch.log_softmax(teacher(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
+        mask = (labels[:, 1:] != -100).float()
+        logq = torch.log_softmax(logits, -1)
+        kl = (target.exp() * (target - logq)).sum(-1)
+        return (kl * mask).sum() / mask.sum().clamp(min=1)
 
     def train(self, sequences: list[list[int]], prompt_lens: list[int], *, max_steps: int,
-              deadline_s: float) -> dict[str, float]:
+              deadline_s: float, teacher: torch.nn.Module | None = None) -> dict[str, float]:
         """Add the sequences to the buffer, then take up to `max_steps` optimizer steps before the deadline."""
         self.add(sequences, prompt_lens)
         steps, losses = 0, []
@@ -65,7 +75,7 @@ class DrafterTrainer:
         self.model.train()
         while steps < max_steps and self.buffer and time.monotonic() < end:
             batch = self.rng.sample(list(self.buffer), min(self.batch_size, len(self.buffer)))
-            loss = self.loss_on(batch)
+            loss = self.loss_on(batch, teacher)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

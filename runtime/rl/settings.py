@@ -39,7 +39,7 @@ class RunSettings:
     long_tail_fraction: float = 0.25
     drafter_training: bool = True
     drafter_lr: float = 1e-3
-    drafter_max_steps: int = 8
+    drafter_max_steps: int = 16
     trainers: int = 1
     rollouts: int = 1
     sync_backend: str = "gloo"

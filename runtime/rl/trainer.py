@@ -241,7 +241,13 @@ class TrainerWorker:
         """Train the drafter while this trainer waits for samples; returns {steps, loss}."""
         if self.drafter is None:
             return {"steps": 0, "loss": float("nan")}
-        out = self.drafter.train(sequences, prompt_lens, max_steps=max_steps, deadline_s=deadline_s)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.drafter.train(sequences, prompt_lens, max_steps=max_steps, deadline_s=deadline_s,
+                                     teacher=self.model)
+        finally:
+            self.model.train(was_training)
         if self.metrics is not None and out["steps"]:
             self.metrics.drafter_train_steps.inc(out["steps"])
             self.metrics.drafter_loss.set(out["loss"])
