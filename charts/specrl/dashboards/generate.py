@@ -121,12 +121,27 @@ JOB_ROWS: list[Row] = [
                Target(quantile(0.95, "specrl_rollout_response_length_tokens"), "p95 {{job}}")]),
     ]),
     Row("Resources", [
-        Panel("Pods per role",
-              "Trainer and rollout pods the operator allocates (each with the job's GPUs per pod). Annotations "
-              "mark rebalances: allocation changes at a step boundary.",
-              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_replicas{{{SEL}}})",
+        Panel("GPUs per role",
+              "GPUs the operator allocates to the trainer and rollout roles (replicas x gpusPerPod), drawn as steps. "
+              "Annotations mark rebalances, with their reason.",
+              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_gpus{{{SEL}}})",
                       "{{job}} {{role}}")],
               width=16, stack=False, extra={"drawStyle": "line", "lineInterpolation": "stepAfter"}),
+        Panel("Rebalances by reason",
+              "Pods the elastic rebalancer moved between roles, by reason and direction (0 while nothing moves).",
+              [Target(f"sum by (namespace, job, reason, from_role, to_role) "
+                      f"(increase(specrl_operator_rebalance_total{{{SEL}}}[{RATE}]))",
+                      "{{job}} {{reason}}: {{from_role}} → {{to_role}}")],
+              kind="barchart-ts"),
+        Panel("Job conditions",
+              "The RLJob's status conditions over time (True/False): Ready, Rebalancing (a move in flight), "
+              "Degraded (coordinator unreachable or an immutable field edited), Suspended, Complete, Failed.",
+              [Target(f"max by (namespace, job, condition) (specrl_operator_job_condition{{{SEL}}})",
+                      "{{job}} {{condition}}")],
+              kind="state-timeline", width=16, max=1,
+              extra={"mappings": [{"type": "value", "options": {
+                  "0": {"text": "False", "color": "transparent", "index": 0},
+                  "1": {"text": "True", "color": "blue", "index": 1}}}]}),
         Panel("Sequences completed",
               "Finished rollout sequences per second.",
               [Target(rate("specrl_rollout_sequences_completed_total"), "{{job}}")]),
@@ -193,19 +208,23 @@ OPERATOR_ROWS: list[Row] = [
               [Target("sum by (phase) (specrl_operator_jobs)", "{{phase}}")],
               stack=True),
         Panel("Rebalances by reason",
-              "Pods moved between roles by the elastic rebalancer, per reason and direction.",
-              [Target(f"sum by (reason, from_role, to_role) (increase(specrl_operator_rebalance_total[{RATE}]))",
+              "Pods moved between roles by the elastic rebalancer, per reason and direction, summed over jobs.",
+              [Target(f"sum by (reason, from_role, to_role) "
+                      f"(increase(specrl_operator_rebalance_total{{{SEL}}}[{RATE}]))",
                       "{{reason}}: {{from_role}} → {{to_role}}")],
               kind="barchart-ts"),
         Panel("Coordinator poll errors",
-              "Failed polls of a job coordinator's GET /status (the job shows Degraded when they persist).",
+              "Failed polls of a job coordinator's GET /status (a running job turns Degraded while they persist).",
               [Target(rate("specrl_operator_coordinator_errors_total"), "{{namespace}}/{{job}}")],
               unit="ops"),
-        Panel("Pods per role",
-              "Pods allocated to each role of each job.",
-              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_replicas{{{SEL}}})",
+        Panel("Jobs by condition",
+              "RLJobs whose condition is True, per condition (Degraded is what SpecRLJobDegraded alerts on).",
+              [Target(f"sum by (condition) (specrl_operator_job_condition{{{SEL}}})", "{{condition}}")]),
+        Panel("GPUs per job and role",
+              "GPUs allocated to each role of each job, stacked: the top line is every GPU specrl jobs hold.",
+              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_gpus{{{SEL}}})",
                       "{{namespace}}/{{job}} {{role}}")],
-              width=24, extra={"drawStyle": "line", "lineInterpolation": "stepAfter"}),
+              width=16, stack=True, extra={"lineInterpolation": "stepAfter"}),
     ]),
 ]
 
@@ -311,16 +330,15 @@ def dashboard(uid: str, title: str, description: str, rows: list[Row], var_metri
 
 REBALANCE_ANNOTATION = {
     "name": "Rebalances", "enable": True, "hide": False, "iconColor": "orange", "datasource": DS,
-    # Per job: the allocation of a role changed (rebalances move one pod at a time at a step boundary).
-    "expr": f'sum by (namespace, job) (changes(specrl_operator_allocation_replicas{{{SEL}, role="rollout"}}[2m])) > 0',
-    "step": "1m", "titleFormat": "Rebalance", "textFormat": "{{namespace}}/{{job}}: rollout allocation changed",
-    "tagKeys": "namespace,job", "useValueForTime": False,
+    "expr": f"sum by (namespace, job, reason, from_role, to_role) "
+            f"(increase(specrl_operator_rebalance_total{{{SEL}}}[2m])) > 0",
+    "step": "1m", "titleFormat": "Rebalance {{reason}}",
+    "textFormat": "{{namespace}}/{{job}}: {{from_role}} → {{to_role}}",
+    "tagKeys": "namespace,job,reason", "useValueForTime": False,
 }
 OPERATOR_REBALANCE_ANNOTATION = {
-    "name": "Rebalances", "enable": True, "hide": False, "iconColor": "orange", "datasource": DS,
-    "expr": "sum by (reason, from_role, to_role) (increase(specrl_operator_rebalance_total[2m])) > 0",
-    "step": "1m", "titleFormat": "Rebalance {{reason}}", "textFormat": "{{from_role}} → {{to_role}}",
-    "tagKeys": "reason", "useValueForTime": False,
+    **REBALANCE_ANNOTATION,
+    "expr": "sum by (namespace, job, reason, from_role, to_role) (increase(specrl_operator_rebalance_total[2m])) > 0",
 }
 
 
@@ -328,12 +346,12 @@ def dashboards() -> dict[str, dict[str, Any]]:
     return {
         "job.json": dashboard(
             "specrl-job", "specrl / job",
-            "One RLJob: rollout throughput and speculative decoding, queue and long tail, GPUs per role, weight "
-            "sync, training.", JOB_ROWS, "specrl_rollout_queue_depth", [REBALANCE_ANNOTATION]),
+            "One RLJob: rollout throughput and speculative decoding, queue and long tail, GPUs per role, "
+            "rebalances and conditions, weight sync, training.", JOB_ROWS, "specrl_rollout_queue_depth", [REBALANCE_ANNOTATION]),
         "operator.json": dashboard(
             "specrl-operator", "specrl / operator",
-            "The specrl operator: reconciliation rate and latency, rebalances, jobs by phase.", OPERATOR_ROWS,
-            "specrl_operator_allocation_replicas", [OPERATOR_REBALANCE_ANNOTATION]),
+            "The specrl operator: reconciliation rate and latency, rebalances, jobs by phase and condition, GPUs.", OPERATOR_ROWS,
+            "specrl_operator_allocation_gpus", [OPERATOR_REBALANCE_ANNOTATION]),
     }
 
 

@@ -24,6 +24,11 @@ def s(metric: str, values: str, role: str = "rollout", worker: str = "grpo-rollo
     return {"series": f"{metric}{{{labels}}}", "values": values}
 
 
+def cond(condition: str, reason: str, values: str) -> dict[str, str]:
+    return {"series": f'specrl_operator_job_condition{{{LBL}, condition="{condition}", reason="{reason}"}}',
+            "values": values}
+
+
 @pytest.fixture(scope="module")
 def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     docs = helm_template(None, sets={"prometheusRule.enabled": "true",
@@ -70,14 +75,14 @@ ANNOTATIONS = {
         "summary": "Weight sync is slow.",
         "description": "RLJob ml/grpo: 95th percentile of weight-sync duration is 1m 57s."},
     "SpecRLJobDegraded": {
-        "summary": "RLJob is Degraded (coordinator unreachable).",
-        "description": "The operator cannot read the coordinator of RLJob ml/grpo (5 failed polls in 5 minutes), "
-                       "so the job is Degraded and is not rebalanced; see kubectl describe rljob -n ml grpo."},
+        "summary": "RLJob is Degraded.",
+        "description": "RLJob ml/grpo is Degraded (reason {reason}); see kubectl describe rljob -n ml grpo."},
 }
 
 
-def alert(name: str, at: str, firing: bool, **labels: str) -> dict[str, Any]:
-    exp = [{"exp_labels": {**ALERT_LABELS, **labels}, "exp_annotations": ANNOTATIONS[name]}] if firing else []
+def alert(name: str, at: str, firing: bool, reason: str = "", **labels: str) -> dict[str, Any]:
+    annotations = {k: v.format(reason=reason) for k, v in ANNOTATIONS[name].items()}
+    exp = [{"exp_labels": {**ALERT_LABELS, **labels}, "exp_annotations": annotations}] if firing else []
     return {"eval_time": at, "alertname": name, "exp_alerts": exp}
 
 
@@ -160,16 +165,31 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         ],
         "alert_rule_test": [alert("SpecRLWeightSyncSlow", "45m", False)],
     },
-    # The operator fails to poll the coordinator every minute.
+    # The operator exports the job's status conditions (1 = True) under their current reason.
     "job degraded": {
-        "input_series": [{"series": f"specrl_operator_coordinator_errors_total{{{LBL}}}", "values": "0+1x30"}],
+        "input_series": [cond("Degraded", "CoordinatorUnreachable", "1x30"), cond("Ready", "AllPodsRunning", "1x30")],
         "alert_rule_test": [alert("SpecRLJobDegraded", "3m", False),
-                            alert("SpecRLJobDegraded", "15m", True, severity="critical", team="ml")],
+                            alert("SpecRLJobDegraded", "15m", True, "CoordinatorUnreachable",
+                                  severity="critical", team="ml")],
     },
-    "job recovered": {
-        "input_series": [{"series": f"specrl_operator_coordinator_errors_total{{{LBL}}}",
-                          "values": "0+1x5 5x30"}],
+    # Any reason counts, and a change of reason keeps the alert (and its `for`) going with the new reason.
+    "job degraded, reason changes": {
+        "input_series": [cond("Degraded", "CoordinatorUnreachable", "1x3 stale"),
+                         cond("Degraded", "ImmutableFieldChanged", "_x3 1x27")],
+        "alert_rule_test": [alert("SpecRLJobDegraded", "2m", False),
+                            alert("SpecRLJobDegraded", "7m", True, "ImmutableFieldChanged",
+                                  severity="critical", team="ml")],
+    },
+    "job healthy": {
+        "input_series": [cond("Degraded", "AsExpected", "0x30"), cond("Ready", "AllPodsRunning", "1x30"),
+                         cond("Rebalancing", "QueueBacklog", "1x30")],
         "alert_rule_test": [alert("SpecRLJobDegraded", "25m", False)],
+    },
+    # Degraded for 3 minutes (a coordinator restart), then back: shorter than `for`, never fires.
+    "job degraded briefly": {
+        "input_series": [cond("Degraded", "CoordinatorUnreachable", "0x5 1x3 stale"),
+                         cond("Degraded", "AsExpected", "_x8 0x22")],
+        "alert_rule_test": [alert("SpecRLJobDegraded", "10m", False), alert("SpecRLJobDegraded", "25m", False)],
     },
 }
 

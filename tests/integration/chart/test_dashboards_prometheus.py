@@ -7,13 +7,14 @@
   package) with `honor_labels` as the chart's monitors set it. While the run lasts, every query is evaluated
   with the dashboard variables set as Grafana would (each namespace offered with its first job, and "All" =
   `.*`); each must return a series with a finite value at some point, under "All" and under a selected job.
-  The chart's rendered alert rules are loaded into the same Prometheus: a second RLJob whose coordinator cannot
-  be reached must turn SpecRLJobDegraded pending, the healthy job must not, and nothing may look stalled.
+  The chart's rendered alert rules are loaded into the same Prometheus: a second RLJob (coordinator unreachable,
+  and its immutable `spec.resources.image` edited, so its `Degraded` condition is True) must turn
+  SpecRLJobDegraded pending, the healthy job must not, and nothing may look stalled.
 
-Queries of events that a short local run cannot produce (a completed rebalance needs the operator to drain a
-worker of the run, and local mode's coordinator token is private) are listed in EVENT_ONLY: in the end-to-end
-run their metric family must be exported, and `promtool test rules` checks each of them, exactly as shipped, on
-the series a rebalance produces.
+A short local run makes no rebalance (that needs the operator to drain a worker of the run, and local mode's
+coordinator token is private): the rebalance panels show the operator's pre-created zeros, and the annotations,
+which only mark positive increases, are listed in EVENT_ONLY_WHERE. `promtool test rules` checks every query of
+the rebalance counter, exactly as shipped, on the series a rebalance produces.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ from chart_support import (
 pytestmark = pytest.mark.integration
 
 BOARDS = load_dashboards()
-# Counters that only move on a completed elastic move; nothing else makes them non-empty.
-EVENT_ONLY = {"specrl_operator_rebalance_total"}
-EVENT_ONLY_WHERE = {"job.json: annotation 'Rebalances'"}
+# Annotations mark completed elastic moves only (increase > 0); nothing else makes them non-empty.
+EVENT_ONLY_WHERE = {"job.json: annotation 'Rebalances'", "operator.json: annotation 'Rebalances'"}
+REBALANCES = "specrl_operator_rebalance_total"
 RUN_STEPS = 25
 
 
@@ -168,6 +169,7 @@ def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
                 kube.create("v1/namespaces", {"metadata": {"name": ns}})
                 kube.create("specrl.io/v1alpha1/rljobs", {**body, "metadata": {"name": name, "namespace": ns}},
                             namespace=ns)
+            degrade(kube, "unreachable", f"{job}-lost")
 
             prom.wait_for_scrapes(n=2, timeout=60)
             results, alerts = observe(prom, run_proc, tail, after_exit=6.0)
@@ -190,8 +192,7 @@ def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
     print("dashboard queries against the real run:\n" + report)
     errors = [f"{r['where']}: {r['error']}" for r in results.values() if r["error"]]
     assert not errors, "PromQL errors:\n" + "\n".join(errors)
-    empty = [r for r in results.values() if verdict(r) == "EMPTY" and not (
-        set().union(*map(metric_names, r["exprs"])) & EVENT_ONLY or r["where"] in EVENT_ONLY_WHERE)]
+    empty = [r for r in results.values() if verdict(r) == "EMPTY" and r["where"] not in EVENT_ONLY_WHERE]
     assert not empty, (f"{len(empty)} dashboard queries never returned a finite value:\n{report}\n"
                        f"run output:\n{tail.text()}\noperator:\n{op.output() if op else ''}")
     # The chart's alerts ran on the same data: the job whose coordinator nobody can reach is Degraded (pending:
@@ -200,10 +201,17 @@ def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
     assert any(a[:2] == ("SpecRLJobDegraded", f"{job}-lost") for a in alerts), sorted(alerts)
     assert not any(a[:2] == ("SpecRLJobDegraded", job) for a in alerts), sorted(alerts)
     assert not any(a[0] == "SpecRLRolloutStalled" for a in alerts), sorted(alerts)
-    # Event-only queries: their families must at least be exported (HELP/TYPE seen by Prometheus).
-    for name in EVENT_ONLY:
-        family = name.removesuffix("_total")
-        assert name in metadata or family in metadata, f"{name} is not exported by the operator"
+    for name in ("specrl_operator_allocation_gpus", "specrl_operator_job_condition", REBALANCES):
+        assert name in metadata or name.removesuffix("_total") in metadata, f"{name} is not exported by the operator"
+
+
+def degrade(kube: Any, namespace: str, name: str, timeout: float = 60) -> None:
+    """Edit the job's immutable image once the operator has recorded the applied one: Degraded=True."""
+    deadline = time.monotonic() + timeout
+    while not ((kube.get("specrl.io/v1alpha1/rljobs", namespace, name) or {}).get("status") or {}).get("applied"):
+        assert time.monotonic() < deadline, f"the operator never reconciled {namespace}/{name}"
+        time.sleep(0.2)
+    kube.patch("specrl.io/v1alpha1/rljobs", namespace, name, {"spec": {"resources": {"image": "example/edited:1"}}})
 
 
 def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail,
@@ -255,31 +263,28 @@ def discover(prom: Prometheus, board: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def test_event_queries_with_promtool(tmp_path: Path) -> None:
-    """The rebalance queries (no rebalance happens in the short run) on series a rebalance produces.
+    """The rebalance panels and annotations (no rebalance happens in the short run) on series a rebalance produces.
 
-    A rollout -> trainer move at minute 5: the operator's counter for (rollout, trainer, LongTail) steps from 0 to
-    1 and the job's rollout allocation from 3 to 2. Each dashboard expression, exactly as shipped (variables =
-    All, $__rate_interval = 1m), must be positive at minute 5 and nowhere positive at minute 3 or 9.
+    A rollout -> trainer move at minute 5 of job ml/grpo: its (rollout, trainer, LongTail) counter steps from 0 to 1
+    while the other pre-created counters stay 0. Each dashboard expression, exactly as shipped (variables = All,
+    $__rate_interval = 1m), must be positive for that move at minute 5, and nowhere positive at minute 3 or 9.
     """
     where = {q.where: q.expr for name, board in BOARDS.items() for q in dashboard_queries(board, name)}
     queries = {w: substitute(e, {"namespace": ".*", "job": ".*"}, rate_interval="1m") for w, e in where.items()
-               if metric_names(e) & EVENT_ONLY or w in EVENT_ONLY_WHERE}
-    assert len(queries) == 3, sorted(queries)
+               if REBALANCES in metric_names(e)}
+    assert set(EVENT_ONLY_WHERE) <= set(queries) and len(queries) == 4, sorted(queries)
+    job = 'namespace="ml", job="grpo"'
     move = 'from_role="rollout", to_role="trainer", reason="LongTail"'
     series = [
-        {"series": f"specrl_operator_rebalance_total{{{move}}}", "values": "0x4 1x10"},
-        {"series": 'specrl_operator_allocation_replicas{namespace="ml", job="grpo", role="rollout"}',
-         "values": "3x4 2x10"},
-        {"series": 'specrl_operator_allocation_replicas{namespace="ml", job="grpo", role="trainer"}',
-         "values": "1x4 2x10"},
+        {"series": f"{REBALANCES}{{{job}, {move}}}", "values": "0x4 1x10"},
+        {"series": f'{REBALANCES}{{{job}, from_role="trainer", to_role="rollout", reason="QueueBacklog"}}',
+         "values": "0x14"},
     ]
     tests = []
     for w, expr in queries.items():
-        labels = '{namespace="ml", job="grpo"}' if "allocation" in expr else f"{{{move}}}"
-        counted = f"count by ({'namespace, job' if 'allocation' in expr else 'reason, from_role, to_role'}) " \
-                  f"(({expr}) > 0)"
+        counted = f"count by (reason, from_role, to_role) (({expr}) > 0)"
         tests.append({"interval": "1m", "input_series": series, "name": w, "promql_expr_test": [
-            {"expr": counted, "eval_time": "5m", "exp_samples": [{"labels": labels, "value": 1}]},
+            {"expr": counted, "eval_time": "5m", "exp_samples": [{"labels": f"{{{move}}}", "value": 1}]},
             {"expr": counted, "eval_time": "3m", "exp_samples": []},
             {"expr": counted, "eval_time": "9m", "exp_samples": []},
         ]})

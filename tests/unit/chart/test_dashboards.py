@@ -106,13 +106,17 @@ def test_panels_structure(name: str) -> None:
 def test_job_dashboard_covers_the_issue() -> None:
     titles = " | ".join(p["title"].lower() for p in iter_panels(BOARDS["job.json"]["panels"]))
     for needle in ("throughput", "acceptance rate", "acceptance length", "speculative decoding on", "draft length",
-                   "queue depth", "active sequences", "long-tail", "per role", "weight-sync duration",
-                   "weight-sync bandwidth", "step time", "backlog", "reward"):
+                   "queue depth", "active sequences", "long-tail", "gpus per role", "rebalances by reason",
+                   "conditions", "weight-sync duration", "weight-sync bandwidth", "step time", "backlog", "reward"):
         assert needle in titles, f"job dashboard has no {needle!r} panel"
+    # Rebalances are read from the operator's counter (per job, with the reason), never inferred from allocations.
     annotations = [a for a in BOARDS["job.json"]["annotations"]["list"] if a.get("expr")]
-    assert annotations and "allocation" in annotations[0]["expr"], "rebalance annotations missing"
+    assert annotations and "specrl_operator_rebalance_total" in annotations[0]["expr"], "rebalance annotations missing"
+    assert "reason" in annotations[0]["titleFormat"]
+    gpus = next(p for p in iter_panels(BOARDS["job.json"]["panels"]) if p["title"] == "GPUs per role")
+    assert "specrl_operator_allocation_gpus" in gpus["targets"][0]["expr"]
     titles = " | ".join(p["title"].lower() for p in iter_panels(BOARDS["operator.json"]["panels"]))
-    for needle in ("reconcile rate", "reconcile latency", "rebalances by reason", "jobs by phase"):
+    for needle in ("reconcile rate", "reconcile latency", "rebalances by reason", "jobs by phase", "jobs by condition"):
         assert needle in titles, f"operator dashboard has no {needle!r} panel"
 
 
@@ -153,6 +157,8 @@ def test_known_set_is_not_trivially_wide() -> None:
     assert "specrl_rollout_generated_tokens_total" in KNOWN
     assert "specrl_operator_reconcile_duration_seconds_bucket" in KNOWN
     assert "specrl_operator_jobs" in KNOWN
+    for name in ("specrl_operator_allocation_gpus", "specrl_operator_job_condition", "specrl_operator_rebalance_total"):
+        assert name in KNOWN
     assert "specrl_rollout_generated_token_total" not in KNOWN
 
 
@@ -162,3 +168,21 @@ def test_readme_describes_every_panel() -> None:
         for panel in iter_panels(board["panels"]):
             if panel["type"] != "row":
                 assert f"**{panel['title']}**" in readme, f"charts/specrl/README.md does not describe {panel['title']!r}"
+
+
+def test_operator_metric_labels_match_what_the_dashboards_group_by() -> None:
+    # The per-job operator families carry namespace and job (the job dashboard's variables select on them).
+    labels = {}
+    operator_metrics.observe_job("ns-label-check", "j", {"phase": "Running", "allocation": {
+        "trainer": {"replicas": 1, "gpus": 2}}, "conditions": [{"type": "Ready", "status": "True", "reason": "R"}]})
+    operator_metrics.expect_rebalances("ns-label-check", "j", [("trainer", "rollout", "QueueBacklog")])
+    try:
+        for family in operator_metrics.REGISTRY.collect():
+            for sample in family.samples:
+                if sample.labels.get("namespace") == "ns-label-check":
+                    labels[sample.name] = set(sample.labels)
+    finally:
+        operator_metrics.forget_job("ns-label-check", "j")
+    assert labels["specrl_operator_allocation_gpus"] == {"namespace", "job", "role"}
+    assert labels["specrl_operator_job_condition"] == {"namespace", "job", "condition", "reason"}
+    assert labels["specrl_operator_rebalance_total"] == {"namespace", "job", "from_role", "to_role", "reason"}

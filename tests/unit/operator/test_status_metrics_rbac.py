@@ -47,7 +47,8 @@ def test_transitions_post_events_for_phase_and_flipped_conditions_only():
 
 
 def _status(phase: str, degraded: tuple[bool, str] | None = None) -> dict:
-    st: dict = {"phase": phase, "allocation": {"trainer": {"replicas": 2, "gpus": 8}, "rollout": {"replicas": 3, "gpus": 12}}}
+    st: dict = {"phase": phase,
+                "allocation": {"trainer": {"replicas": 2, "gpus": 8}, "rollout": {"replicas": 3, "gpus": 12}}}
     set_condition(st, "Ready", phase == "Running", "AllPodsRunning" if phase == "Running" else "Pending", "", 0, 1)
     if degraded:
         set_condition(st, "Degraded", degraded[0], degraded[1], "", 0, 1)
