@@ -22,6 +22,8 @@ Environment (set by the operator in every pod; all optional locally except where
 `SPECRL_SYNC_MASTER_ADDR`      torch.distributed rendezvous host (trainer rank 0; used by the sync group)
 `SPECRL_SYNC_MASTER_PORT`      torch.distributed rendezvous port
 `SPECRL_CONNECT_TIMEOUT`       seconds a worker keeps retrying the coordinator before it gives up (default 300)
+`SPECRL_HTTP_PORT`             coordinator HTTP port (default 8000)
+`SPECRL_RAY_HEAD_PORT`         coordinator's Ray head port (default 6379)
 =============================  ==================================================================================
 """
 
@@ -144,10 +146,11 @@ def run_coordinator(config: str) -> int:
     import ray
     from specrl.runtime.coordinator import JobCoordinator, Placement, latest_checkpoint, members_from_nodes
 
-    subprocess.check_call([_ray_cli(), "start", "--head", f"--port={HEAD_PORT}", "--num-cpus=0",
+    port = int(os.environ.get("SPECRL_RAY_HEAD_PORT", HEAD_PORT))
+    subprocess.check_call([_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=0",
                            "--include-dashboard=false", "--disable-usage-stats",
                            f"--resources={json.dumps({'specrl_coordinator': 1})}"])
-    ray.init(address="auto")
+    ray.init(address=f"127.0.0.1:{port}")
     token = os.environ.get("SPECRL_COORDINATOR_TOKEN") or None
     if token is None:
         log.warning("SPECRL_COORDINATOR_TOKEN is not set: POST /drain will refuse every request")
