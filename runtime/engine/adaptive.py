@@ -29,6 +29,7 @@ The engine (`control.py`) calls ``decide(active_batch_size) -> Decision`` before
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import random
 import statistics
@@ -421,8 +422,11 @@ class AdaptiveSettings:
     ewma_decay: float = 0.9
     prior_alpha: float = 0.6
     seed: int = 0
+    clock: str = "wall"  # "cpu" on shared CPU machines, see StepClock
 
     def __post_init__(self) -> None:
+        if self.clock not in ("wall", "cpu"):
+            raise ValueError(f"clock: must be 'wall' or 'cpu', got {self.clock!r}")
         if self.min_gamma < 1 or self.max_gamma < self.min_gamma:
             raise ValueError(f"minDraftTokens/maxDraftTokens: need 1 <= min <= max, got {self.min_gamma}, "
                              f"{self.max_gamma}")
@@ -451,18 +455,45 @@ class AdaptiveSettings:
         return sorted({min(max(g, self.min_gamma), self.max_gamma) for g in (*DEFAULT_GAMMAS, self.gamma)})
 
 
+class StepClock:
+    """Which seconds a step costs: "wall" (the engine's own timing; right on a dedicated machine or GPU) or
+    "cpu" (this process's CPU time between decide and observe; on a shared CPU machine other processes
+    stretch wall time by up to 5x within minutes, which would drown 10-20% differences between arms)."""
+
+    def __init__(self, clock: str = "wall") -> None:
+        if clock not in ("wall", "cpu"):
+            raise ValueError(f"clock: must be 'wall' or 'cpu', got {clock!r}")
+        self.clock = clock
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        if self.clock == "cpu":
+            self._t0 = time.process_time()
+
+    def restamp(self, record: StepRecord) -> StepRecord:
+        if self.clock != "cpu" or self._t0 is None:
+            return record
+        seconds = max(time.process_time() - self._t0, 1e-9)
+        self._t0 = None
+        share = record.draft_seconds / record.seconds if record.seconds > 0 else 0.0
+        return dataclasses.replace(record, seconds=seconds, draft_seconds=seconds * share,
+                                   target_seconds=seconds * (1 - share))
+
+
 class FixedController:
     """Always the same decision (benchmarks and the cost-model calibration); records what it measured."""
 
-    def __init__(self, decision: Decision) -> None:
+    def __init__(self, decision: Decision, clock: str = "wall") -> None:
         self.decision = decision
         self.records: list[StepRecord] = []
+        self._clock = StepClock(clock)
 
     def decide(self, active_batch_size: int) -> Decision:
+        self._clock.start()
         return self.decision
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
-        self.records.append(record)
+        self.records.append(self._clock.restamp(record))
 
     def stats(self) -> dict[str, Any]:
         return {"adaptive": False, "decision": label(self.decision), "steps": len(self.records)}
@@ -547,6 +578,7 @@ class AdaptiveController:
         self.bandit = BucketedEpsilonGreedy(arms or [AR], thresholds=s.buckets, epsilon=s.epsilon, window=s.window,
                                             seed=s.seed)
         self._prior_cache: dict[int, tuple[int, dict[Decision, float]]] = {}
+        self._clock = StepClock(s.clock)
         self._bucket_labels = [self.bandit.bucket_label(i) for i in range(len(self.bandit.thresholds))]
         self.ar_cost = ArCostFit(cost_model.target_step if cost_model is not None else None)
         self.current: Decision = AR
@@ -605,9 +637,11 @@ class AdaptiveController:
                                                     priors.__getitem__ if priors is not None else None)
         self.current = decision
         self._record(active_batch_size, decision, explored)
+        self._clock.start()
         return decision
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
+        record = self._clock.restamp(record)
         batch, seconds = record.batch_size, record.seconds
         if batch < 1 or seconds <= 0:
             return
@@ -768,7 +802,7 @@ def low_percentile(xs: Sequence[float], q: float = 0.2) -> float:
 
 def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[str] | None = None,
               batch_sizes: Sequence[int] = DEFAULT_CALIBRATION_BATCH_SIZES, gammas: Sequence[int] = (2, 6),
-              steps: int = 10, rounds: int = 2, seed: int = 0,
+              steps: int = 10, rounds: int = 2, seed: int = 0, clock: str = "wall",
               progress: Callable[[str], None] | None = None) -> Calibration:
     """Measure the cost model on this machine by running the engine itself, pinned to one decision at a time.
 
@@ -797,7 +831,7 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
 
     def run(b: int, decision: Decision, new_tokens: int) -> list[StepRecord]:
         batch = [list(prompts[i % len(prompts)]) for i in range(b)]
-        fixed = FixedController(decision)
+        fixed = FixedController(decision, clock=clock)
         engine.controller = fixed
         params = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed + i) for i in range(b)]
         engine.generate(batch, params)

@@ -322,3 +322,16 @@ def test_exact_batch_size_statistics_refine_the_bucket() -> None:
     bandit.epsilon = 0.0
     assert bandit.choose(6)[0] == arms[1]
     assert bandit.choose(20)[0] == AR
+
+
+def test_cpu_clock_restamps_step_seconds() -> None:
+    from specrl.runtime.engine.adaptive import StepClock
+
+    clock = StepClock("cpu")
+    clock.start()
+    sum(i * i for i in range(200_000))  # burn some CPU
+    rec = clock.restamp(record(Decision("ngram", 2), 4, 2, seconds=100.0))
+    assert 0 < rec.seconds < 5.0 and rec.draft_seconds == 0.0
+    assert StepClock("wall").restamp(record(AR, 4, 0, 1.5)).seconds == 1.5
+    with pytest.raises(ValueError, match="clock"):
+        AdaptiveSettings(clock="sundial")
