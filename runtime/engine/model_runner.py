@@ -67,19 +67,27 @@ class Dense:
 
 
 class Int8Dense:
-    """Weight-only int8 matmul, symmetric per-output-channel scales; activations stay in the model dtype."""
+    """int8 matmul for the quantized_self drafter, per-output-channel symmetric weight scales.
+
+    CPU (fp32 activations): torch.ao's dynamic-quantized Linear (fbgemm int8 GEMM, activations quantized per
+    call) — measured 4-5x faster than the fp32 matmul for 1-16 rows here. Elsewhere: weight-only int8 via
+    `torch._weight_int8pack_mm` (bf16/fp16 activations), else a dequantizing fallback.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.qweight = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8).contiguous()
-        self.dtype = weight.dtype
-        self.scale = scale.to(weight.dtype)
-        self.bias = bias
         self.out_features = weight.shape[0]
+        self.bias = bias
+        self.ao = _ao_dynamic_linear(w, bias) if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+        if self.ao is None:
+            scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+            self.qweight = torch.round(w / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale.to(weight.dtype)
         self._packed_ok = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ao is not None:
+            return self.ao(x)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         y = None
@@ -93,6 +101,27 @@ class Int8Dense:
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def _ao_dynamic_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+    """A per-channel dynamic int8 Linear (torch.ao), or None when this torch build lacks it."""
+    try:
+        import warnings
+
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+        from torch.ao.quantization import per_channel_dynamic_qconfig
+
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+            if bias is not None:
+                lin.bias.copy_(bias.detach().float())
+        lin.qconfig = per_channel_dynamic_qconfig
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao eager quantization is deprecated in favour of torchao
+            return DynamicLinear.from_float(lin)
+    except Exception:  # noqa: BLE001 - any failure means "use the portable path"
+        return None
 
 
 @dataclass
