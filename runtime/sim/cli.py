@@ -9,7 +9,6 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-
 from specrl.runtime.sim.analysis import Report, evaluate
 from specrl.runtime.sim.hardware import gpu as gpu_named
 from specrl.runtime.sim.scenario import list_presets, load_scenario

@@ -12,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from specrl.runtime.engine.adaptive import CostModel as EngineCostModel, expected_tokens_per_round
-from specrl.runtime.sim.hardware import GPU, ModelSpec, gpu as gpu_named, model as model_named
+from specrl.runtime.engine.adaptive import CostModel as EngineCostModel
+from specrl.runtime.engine.adaptive import expected_tokens_per_round
+from specrl.runtime.sim.hardware import GPU, ModelSpec
+from specrl.runtime.sim.hardware import gpu as gpu_named
+from specrl.runtime.sim.hardware import model as model_named
 from specrl.runtime.sim.scenario import Calibration, Scenario
 
 

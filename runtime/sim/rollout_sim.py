@@ -14,7 +14,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from specrl.runtime.sim.cost_model import CostModel
 from specrl.runtime.sim.speculation import SpeculationPolicy
 

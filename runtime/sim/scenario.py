@@ -161,7 +161,7 @@ class Scenario(_Strict):
     expect: Expect = Expect()
 
     @model_validator(mode="after")
-    def _check(self) -> "Scenario":
+    def _check(self) -> Scenario:
         if self.placement == "split":
             if self.cluster.gpus < 2:
                 raise ValueError("cluster.gpus: a split placement needs at least 2 GPUs")
@@ -201,7 +201,7 @@ def load_scenario(path: str | Path | None = None, preset: str | None = None) -> 
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: a scenario must be a mapping")
+        raise ValueError(f"{path}: a scenario must be a mapping")  # noqa: TRY004 (a file error, not a type error)
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:

@@ -263,7 +263,7 @@ def test_possible_moves_are_exactly_what_want_can_return(mode: str):
 
 # ---- step timings: move a GPU only where it shortens the step -------------------------------------------
 
-TAIL = dict(queue_depth=0, long_tail=True, active_sequences=3, step_batch_size=64)
+TAIL = {"queue_depth": 0, "long_tail": True, "active_sequences": 3, "step_batch_size": 64}
 
 
 def test_long_tail_push_needs_a_trainer_that_would_shorten_the_step():

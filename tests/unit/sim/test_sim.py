@@ -8,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from specrl.runtime.engine.adaptive import expected_tokens_per_round
 from specrl.runtime.sim.analysis import without_speculation
 from specrl.runtime.sim.cost_model import CostModel, accepted_length
@@ -155,16 +154,16 @@ def test_cli_json_and_bad_input(tmp_path) -> None:
     out = tmp_path / "r.json"
     png = tmp_path / "t.png"
     cmd = [sys.executable, "-m", "specrl.runtime.cli", "simulate", str(scen), "--json", str(out), "--plot", str(png)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     for key in ("preset", "rollout_speedup", "end_to_end_speedup", "elastic_vs_static_speedup"):
         assert key in data
     assert png.stat().st_size > 10_000
     scen.write_text("cluster: {gpu: Z9000, gpus: 4}\nworkload: {steps: -1}\n")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "workload.steps" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "simulate", "--preset", "nope"],
-                          capture_output=True, text=True, timeout=60)
+                          check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown preset" in proc.stderr
