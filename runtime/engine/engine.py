@@ -32,8 +32,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch import nn
-
 from specrl.runtime.engine.control import Controller, Decision, FixedController, StepRecord
 from specrl.runtime.engine.model_runner import TransformerRunner
 from specrl.runtime.engine.proposers.base import DraftContext, Proposer
@@ -44,6 +42,7 @@ from specrl.runtime.engine.sampling import (
     process_logits,
     sample_from_probs,
 )
+from torch import nn
 
 METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle")
 Method = Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle"]
@@ -248,7 +247,7 @@ class RolloutEngine:
     # ---- validation ----------------------------------------------------------------------------------------
     def _validate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[SamplingParams]:
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError("prompts: must be a list of token-id lists")
+            raise ValueError("prompts: must be a list of token-id lists")  # noqa: TRY004 - bad input is ValueError
         if isinstance(params, SamplingParams):
             plist = [params] * len(prompts)
         else:
@@ -355,8 +354,7 @@ class RolloutEngine:
         self._any_raw = None  # computed for the joiners here, then again for the whole batch
         lp = self._logprobs(probs, logits, tok, joiners)
         self._any_raw = None
-        for s in joiners:
-            active.append(s)
+        active.extend(joiners)
         self._sampling = None
         self.stats.target_forwards += 1
         self.stats.prefill_forwards += 1

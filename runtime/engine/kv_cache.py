@@ -37,7 +37,7 @@ class StaticKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    def write(self, layer: int, plan: "ForwardPlan", k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, plan: ForwardPlan, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [B, kv_heads, T, D] for the plan's slots at positions start[b] .. start[b]+T-1."""
         kc = self.k[layer]
         vc = self.v[layer]

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from specrl.runtime.engine.kv_cache import StaticKVCache
+from torch import nn
 
 
 @dataclass

@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from specrl.runtime.engine.sampling import sample_from_probs
 
 
@@ -39,7 +38,7 @@ def rejection_sample(
 ) -> RejectionResult:
     """target_probs [B, G+1, V] fp32; draft_tokens [B, G] int64; draft_probs [B, G, V] fp32 or None (one-hot q);
     accept_uniforms [B, G] float64; final_uniforms [B] float64; draft_lens [B] (default: all G)."""
-    b, g1, vocab = target_probs.shape
+    b, g1, _ = target_probs.shape
     g = g1 - 1
     if draft_tokens.shape != (b, g):
         raise ValueError(f"draft_tokens: expected shape {(b, g)}, got {tuple(draft_tokens.shape)}")

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-
 from specrl.runtime.engine.sampling import BatchSamplingTensors
 
 if TYPE_CHECKING:

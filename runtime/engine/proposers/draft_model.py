@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
-
 from specrl.runtime.engine.model_runner import TransformerRunner
 from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
 from specrl.runtime.engine.sampling import process_logits, sample_from_probs
+from torch import nn
 
 if TYPE_CHECKING:
     from specrl.runtime.engine.engine import RolloutEngine
@@ -49,8 +48,7 @@ class DraftModelProposer(Proposer):
 
     def truncate(self, target_lens: list[int]) -> None:
         for b, n in enumerate(target_lens):
-            if self.lens[b] > n:
-                self.lens[b] = n
+            self.lens[b] = min(self.lens[b], n)
 
     def refresh(self, policy: nn.Module | None = None) -> None:
         if self.runner is not None:

@@ -20,11 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from specrl.runtime.engine.model_runner import Dense, LayerWeights, TransformerRunner, decoder_of
 from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
 from specrl.runtime.engine.sampling import process_logits, sample_from_probs
+from torch import nn
 
 if TYPE_CHECKING:
     from specrl.runtime.engine.engine import RolloutEngine
@@ -33,7 +32,7 @@ if TYPE_CHECKING:
 class EagleHead(nn.Module):
     """fc(cat(feature, token embedding)) -> one decoder layer of the target's architecture."""
 
-    def __init__(self, target_config) -> None:  # noqa: ANN001 - a transformers PretrainedConfig
+    def __init__(self, target_config) -> None:
         super().__init__()
         cfg = copy.deepcopy(target_config)
         cfg.num_hidden_layers = 1
@@ -119,7 +118,7 @@ def train_step(head: EagleHead, optimizer: torch.optim.Optimizer, target: nn.Mod
 class _EagleRunner(TransformerRunner):
     """Runs the head's single layer over its own static cache; embed/lm_head are the target runner's."""
 
-    def __init__(self, head: EagleHead, target_runner: TransformerRunner) -> None:  # noqa: D107
+    def __init__(self, head: EagleHead, target_runner: TransformerRunner) -> None:
         self.head_module = head
         self.target_runner = target_runner
         self.model = head
@@ -161,7 +160,7 @@ class _EagleRunner(TransformerRunner):
         self.sin_table = self.target_runner.sin_table
         self._signature = self._current_signature()
 
-    def step(self, cache, starts: list[int], features: torch.Tensor, tokens: torch.Tensor,  # noqa: ANN001
+    def step(self, cache, starts: list[int], features: torch.Tensor, tokens: torch.Tensor,
              last_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] + next tokens [B, T] -> (draft logits fp32, predicted features)."""
         plan = self.plan(0, starts, tokens.shape[1])

@@ -9,10 +9,9 @@ q is the processed distribution of the early-exit logits (sampled, returned for 
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
 from specrl.runtime.engine.sampling import process_logits, sample_from_probs
+from torch import nn
 
 
 class LayerSkipProposer(Proposer):
@@ -21,7 +20,7 @@ class LayerSkipProposer(Proposer):
     def __init__(self, num_layers: int | None = None) -> None:
         self.requested_layers = num_layers
 
-    def attach(self, engine) -> None:  # noqa: ANN001
+    def attach(self, engine) -> None:
         self.engine = engine
         total = engine.runner.num_layers
         k = self.requested_layers if self.requested_layers is not None else max(1, total // 2)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
 
 
@@ -40,7 +39,7 @@ class NgramProposer(Proposer):
         self.n_min = n_min
         self.n_max = n_max
 
-    def attach(self, engine) -> None:  # noqa: ANN001 - engine type would be a circular import
+    def attach(self, engine) -> None:
         self.device = engine.device
 
     def propose(self, ctx: DraftContext, gamma: int) -> Proposal:

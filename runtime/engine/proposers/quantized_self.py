@@ -6,9 +6,8 @@ No extra model to train or sync: the drafter is re-quantized from the policy's c
 
 from __future__ import annotations
 
-from torch import nn
-
 from specrl.runtime.engine.proposers.draft_model import DraftModelProposer
+from torch import nn
 
 
 class QuantizedSelfProposer(DraftModelProposer):

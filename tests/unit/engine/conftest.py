@@ -24,9 +24,9 @@ def make_model(kind: str = "llama", layers: int = 2, hidden: int = 32, seed: int
                head_std: float = 0.35, init: float = 0.2) -> torch.nn.Module:
     """A random model whose next-token distributions are peaked and depend on the context."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  initializer_range=init, tie_word_embeddings=False)
+    common = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                  "initializer_range": init, "tie_word_embeddings": False}
     model = (Qwen2ForCausalLM(Qwen2Config(**common)) if kind == "qwen2" else LlamaForCausalLM(LlamaConfig(**common)))
     with torch.no_grad():
         for name, p in model.named_parameters():

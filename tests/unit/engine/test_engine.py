@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from specrl.runtime.engine import (
     Decision,
     RolloutEngine,
@@ -72,7 +71,7 @@ def _teacher_forced_logprobs(model, prompt, tokens, cfg) -> np.ndarray:
 @pytest.mark.parametrize("method", PROPOSERS)
 def test_sampled_logprobs_are_the_targets(method: str, target, draft) -> None:
     """SD logprobs equal the target's (processed) logprobs of the same tokens, as AR's do (within 1e-4)."""
-    cfg = dict(temperature=0.9, top_k=8, top_p=0.95)
+    cfg = {"temperature": 0.9, "top_k": 8, "top_p": 0.95}
     params = [SamplingParams(max_new_tokens=12, seed=i, **cfg) for i in range(len(PROMPTS))]
     sd = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
                        max_batch_size=4).generate(PROMPTS, params)
@@ -83,7 +82,7 @@ def test_sampled_logprobs_are_the_targets(method: str, target, draft) -> None:
     raw = [SamplingParams(max_new_tokens=8, seed=1, logprobs_mode="raw")]
     out = RolloutEngine(target, SpeculativeConfig(method=method), draft_model=draft).generate([PROMPTS[1]], raw)[0]
     np.testing.assert_allclose(out.logprobs, _teacher_forced_logprobs(target, PROMPTS[1], out.token_ids,
-                                                                      dict(temperature=1.0, top_k=0, top_p=1.0)),
+                                                                      {"temperature": 1.0, "top_k": 0, "top_p": 1.0}),
                                atol=1e-4)
 
 
@@ -186,16 +185,16 @@ def test_policy_update_refreshes_engine_and_drafters(target) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        (dict(temperature=-0.1), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
-        (dict(top_k=0.5), "top_k"),
-        (dict(max_new_tokens=0), "max_new_tokens"),
-        (dict(stop_token_ids=[-3]), "stop_token_ids"),
-        (dict(seed="x"), "seed"),
-        (dict(logprobs_mode="both"), "logprobs_mode"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 0.5}, "top_k"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"seed": "x"}, "seed"),
+        ({"logprobs_mode": "both"}, "logprobs_mode"),
     ],
 )
 def test_invalid_sampling_params_name_the_parameter(kwargs: dict, name: str) -> None:
@@ -298,13 +297,13 @@ def test_ngram_lookup_matches_a_plain_scan() -> None:
 
 
 def test_mixed_logprob_modes_in_one_continuous_batch(target, draft) -> None:
-    cfg = dict(temperature=0.8, top_k=5, top_p=1.0)
+    cfg = {"temperature": 0.8, "top_k": 5, "top_p": 1.0}
     modes = ["processed", "raw", "raw", "processed", "raw"]
     params = [SamplingParams(max_new_tokens=6, seed=i, logprobs_mode=m, **cfg) for i, m in enumerate(modes)]
     for method in ("none", "draft_model"):
         outs = RolloutEngine(target, SpeculativeConfig(method=method), draft_model=draft,
                              max_batch_size=2).generate(PROMPTS[:5], params)
         for prompt, out, mode in zip(PROMPTS, outs, modes):
-            ref_cfg = cfg if mode == "processed" else dict(temperature=1.0, top_k=0, top_p=1.0)
+            ref_cfg = cfg if mode == "processed" else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
             np.testing.assert_allclose(out.logprobs, _teacher_forced_logprobs(target, prompt, out.token_ids, ref_cfg),
                                        atol=1e-4)

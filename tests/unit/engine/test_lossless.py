@@ -10,24 +10,21 @@ paths are all exercised (the tests assert rejections and full acceptances both h
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
 from scipy import stats
-
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
 
-from .conftest import VOCAB, reference_probs
+from .conftest import reference_probs
 
 K = 4
 N = 20_000
 ALPHA = 1e-3
 PROMPT = [1, 2, 1, 2]  # repetitive, so the n-gram proposer finds matches
 CONFIGS = {
-    "plain": dict(temperature=1.0, top_k=0, top_p=1.0),
-    "topk_topp": dict(temperature=0.8, top_k=6, top_p=0.8),
+    "plain": {"temperature": 1.0, "top_k": 0, "top_p": 1.0},
+    "topk_topp": {"temperature": 0.8, "top_k": 6, "top_p": 0.8},
 }
 
 
@@ -104,7 +101,7 @@ def test_chi_square_first_tokens(method: str, cfg_name: str, target, draft, laws
 
 @pytest.mark.slow
 def test_two_sample_sd_vs_ar_whole_sequences(target, draft) -> None:
-    cfg = dict(temperature=1.0, top_k=0, top_p=1.0)
+    cfg = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     sd, _ = run_engine(target, "draft_model", cfg, draft=draft, seed0=0)
     ar, _ = run_engine(target, "none", cfg, seed0=10_000_000)
     cells = sorted(set(sd) | set(ar))
@@ -130,7 +127,7 @@ def test_chi_square_detects_a_lossy_sampler(target, laws) -> None:
     with pytest.raises(AssertionError):
         chi2_pvalue([s[:2] for s in samples], marginal(law, 2))
     law_plain = laws["plain"]
-    tempered = exact_joint(target, PROMPT, 2, dict(temperature=0.9, top_k=0, top_p=1.0))
+    tempered = exact_joint(target, PROMPT, 2, {"temperature": 0.9, "top_k": 0, "top_p": 1.0})
     pv = chi2_pvalue([s[:2] for s in samples], tempered)
     assert pv < ALPHA, "chi-square has no power against a temperature error"
     assert chi2_pvalue([s[:2] for s in samples], marginal(law_plain, 2)) > ALPHA / K

@@ -7,7 +7,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-
 from specrl.runtime.engine.rejection_sampler import rejection_sample
 
 V, K = 3, 2
