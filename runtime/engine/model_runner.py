@@ -246,7 +246,9 @@ class TransformerRunner:
         else:
             positions = torch.tensor(starts, device=dev).unsqueeze(1) + ar.unsqueeze(0)
         mask = None
-        if not (b == 1 and tokens == 1):
+        # One new token per row and equal lengths (batch 1, or a GRPO group of one prompt): every cached key is
+        # visible, so no mask (SDPA is cheaper without one).
+        if not (tokens == 1 and min(starts) == max(starts)):
             keys = torch.arange(kv_len, device=dev)
             mask = (keys.view(1, 1, 1, kv_len) <= positions.view(b, 1, tokens, 1))
         rows = None
