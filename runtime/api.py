@@ -41,7 +41,7 @@ SHORT_NAMES = ["rlj"]
 
 DEFAULT_IMAGE = "ghcr.io/specrl/specrl:0.1.0"
 # Models the project builds itself (no hub download); the runtime maps these names to configs.
-BUILTIN_MODELS = ("builtin:tiny", "builtin:small", "builtin:tiny-draft", "builtin:small-draft")
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-draft", "builtin:bench", "builtin:bench-draft")
 SPECULATIVE_METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp")
 # Methods whose drafter is a separate model that must be named; eagle may start from a fresh head instead.
 METHODS_REQUIRING_DRAFT_MODEL = ("draft_model", "eagle3")

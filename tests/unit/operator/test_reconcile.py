@@ -246,7 +246,7 @@ async def test_immutable_model_change_is_rejected_with_a_condition(env):
     rt, kube, _coord, _events, _ = env
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
-    body["spec"]["model"]["name"] = "builtin:small"
+    body["spec"]["model"]["name"] = "builtin:bench"
     body["spec"]["resources"]["image"] = "other:1"
     kube.calls.clear()
     await run(rt, kube, body, "update")
