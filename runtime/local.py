@@ -183,7 +183,7 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
         ledger = ray.get(coord.ledger_report.remote())
         summary = summarize(settings, records, measures, ledger, time.perf_counter() - t_start)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        write_plots(records, out_dir)
+        write_plots(records, out_dir, summary)
     finally:
         try:
             ray.get(coord.shutdown.remote(), timeout=30)
@@ -333,7 +333,7 @@ class Display:
 # ---------------------------------------------------------------------------------------------- plots
 
 
-def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
+def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -347,6 +347,9 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(steps, [r["reward_mean"] for r in records], marker="o", label="reward (mean)")
     ax.plot(steps, [r["accuracy"] for r in records], marker="s", label="accuracy (rollouts)")
+    if summary and summary.get("eval_problems"):
+        ax.plot([steps[0], steps[-1]], [summary["accuracy_start"], summary["accuracy_end"]], "k--", marker="D",
+                label=f"greedy eval ({summary['eval_problems']} held-out), before/after")
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.05, 1.05)
     ax.legend()
