@@ -139,6 +139,7 @@ class StepRecord:
     sync_bytes: int
     drafter_seconds: float
     drafter_steps: int
+    drafter_where: str | None
     step_seconds: float
     tokens_per_s: float
     acceptance_length: float | None
@@ -416,11 +417,20 @@ class JobCoordinator:
         with self.lock:
             self.long_tail = False
         if drafter_ref is not None:
-            out = ray.get(drafter_ref)
-            drafter_info = {"steps": int(out["steps"]), "seconds": time.perf_counter() - drafter_t0}
+            ref, where = drafter_ref
+            try:
+                out = ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - a lost drafter round is not worth failing the step
+                log.warning("drafter training on %s failed (%s); keeping the previous drafter", where, exc)
+                out = {"steps": 0, "loss": float("nan")}
+            if "state" in out:  # trained on a rollout worker: the master copy goes back to trainer rank 0
+                ray.get(self._trainer0().load_drafter_state.remote(out["state"]))
+            drafter_info = {"steps": int(out["steps"]), "seconds": time.perf_counter() - drafter_t0,
+                            "where": where}
             if out["steps"]:
-                self._wm(self._trainer_names()[0], "trainer").drafter_train_steps.inc(out["steps"])
-                self._wm(self._trainer_names()[0], "trainer").drafter_loss.set(out["loss"])
+                role = "trainer" if where in self.trainers else "rollout"
+                self._wm(where, role).drafter_train_steps.inc(out["steps"])
+                self._wm(where, role).drafter_loss.set(out["loss"])
 
         # -- training
         samples = self._collect(step)
@@ -628,11 +638,23 @@ class JobCoordinator:
 
     # ------------------------------------------------------------------ drafter (TLT)
 
-    def _start_drafter(self, step: int, deadline_s: float):
+    def _start_drafter(self, step: int, deadline_s: float) -> tuple[Any, str]:
+        """Train the drafter where capacity idles: a rollout worker with nothing left to decode in the long tail
+        (sync mode), else the trainer, which waits for its samples anyway. (ref, where)."""
+        import ray
+
         samples = self._results[step]
         seqs = [smp["prompt_ids"] + smp["response_ids"] for smp in samples]
         lens = [len(smp["prompt_ids"]) for smp in samples]
-        return self._trainer0().train_drafter.remote(seqs, lens, self.settings.drafter_max_steps, deadline_s)
+        max_steps = self.settings.drafter_max_steps
+        busy = {w for w, _, _ in self._in_flight.values()}
+        idle = [n for n in self._schedulable() if n not in busy]
+        if idle and self.settings.mode == "sync":
+            state = ray.get(self._trainer0().drafter_state.remote())
+            if state is not None:
+                return self.rollouts[idle[0]].train_drafter.remote(state, seqs, lens, max_steps, deadline_s), idle[0]
+        name = self._trainer_names()[0]
+        return self.trainers[name].train_drafter.remote(seqs, lens, max_steps, deadline_s), name
 
     # ------------------------------------------------------------------ training and sync
 
@@ -747,6 +769,7 @@ class JobCoordinator:
             rollout_seconds=rollout_s, long_tail_seconds=tail_s, train_seconds=train_s,
             sync_seconds=float(sync_info.get("seconds", 0.0)), sync_bytes=int(sync_info.get("bytes", 0)),
             drafter_seconds=float(drafter_info.get("seconds", 0.0)), drafter_steps=int(drafter_info.get("steps", 0)),
+            drafter_where=drafter_info.get("where"),
             step_seconds=step_s, tokens_per_s=tokens / rollout_s if rollout_s > 0 else 0.0,
             acceptance_length=acc, sd_share=sd_share,
             response_lengths=[len(x["response_ids"]) for x in samples],

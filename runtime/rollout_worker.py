@@ -263,6 +263,22 @@ class RolloutWorker:
                 "speedup_median": statistics.median(ratios), "speedups": ratios, "sd_tokens": sd["tokens"],
                 "ar_tokens": ar["tokens"], "sd_stats": sd["stats"], "repeats": len(ratios)}
 
+    def train_drafter(self, state: dict[str, Any], sequences: list[list[int]], prompt_lens: list[int],
+                      max_steps: int, deadline_s: float) -> dict[str, Any]:
+        """TLT on idle rollout capacity: continue training the lent drafter master copy (distilling this
+        worker's policy copy along recent rollouts) and hand it back. A separate copy is trained, so the
+        drafter this worker's engine serves changes only with the next weight sync, like everyone else's."""
+        import copy
+
+        from specrl.runtime.rl.drafter_trainer import DrafterTrainer
+
+        if self.draft is None:
+            return {"steps": 0, "loss": float("nan"), "state": state}
+        trainer = DrafterTrainer(copy.deepcopy(self.draft), lr=self.settings.drafter_lr, seed=self.settings.seed)
+        trainer.load_state_dict(state)
+        out = trainer.train(sequences, prompt_lens, max_steps=max_steps, deadline_s=deadline_s, teacher=self.model)
+        return {**out, "state": trainer.state_dict()}
+
     def engine_stats(self) -> dict[str, float]:
         return stats_snapshot(self.engine.stats)
 

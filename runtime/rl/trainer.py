@@ -253,6 +253,16 @@ class TrainerWorker:
             self.metrics.drafter_loss.set(out["loss"])
         return out
 
+    def drafter_state(self) -> dict[str, Any] | None:
+        """The drafter master copy (weights, optimizer, replay buffer), to lend to an idle rollout worker."""
+        return None if self.drafter is None else self.drafter.state_dict()
+
+    def load_drafter_state(self, state: dict[str, Any]) -> bool:
+        if self.drafter is None:
+            return False
+        self.drafter.load_state_dict(state)
+        return True
+
     # -- weights --------------------------------------------------------------------------------------
 
     def sync_state(self) -> dict[str, torch.Tensor]:

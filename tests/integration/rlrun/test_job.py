@@ -109,6 +109,10 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
         history = coord.get_history()
         assert [h["weight_version"] for h in history] == [1, 2, 3, 4]
         assert all(h["sync_bytes"] > 0 for h in history)
+        # TLT: the drafter trained in the long tail, on an idle rollout worker when one was free
+        assert sum(h["drafter_steps"] for h in history) > 0
+        assert any((h["drafter_where"] or "").startswith("micro-rollout-") for h in history), \
+            [h["drafter_where"] for h in history]
         _assert_ledger_clean(coord, 4, s.prompts_per_step)
         # data parallel: both ranks hold bit-identical weights, and they moved
         digests = ray.get([a.digest.remote() for a in coord.trainers.values()])
