@@ -209,7 +209,8 @@ class JobCoordinator:
             from specrl.runtime.rl.task import load_jsonl
 
             # Malformed lines were skipped with a warning; the count stays visible on the dashboard.
-            self.cm.dataset_malformed_lines.inc(load_jsonl(settings.dataset).malformed)
+            self.cm.dataset_malformed_lines.inc(load_jsonl(
+                settings.dataset, prompt_field=settings.prompt_field, answer_field=settings.answer_field).malformed)
         self.http = None
         if http_port is not None:
             from specrl.runtime.coordinator_http import HttpServer

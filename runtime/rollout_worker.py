@@ -47,7 +47,8 @@ def load_problem_split(settings: RunSettings) -> tuple[list, list]:
         train = list(SyntheticTask(settings.dataset_size, settings.difficulty, settings.seed))
         evals = list(SyntheticTask(settings.eval_size, settings.difficulty, settings.seed + 10_000))
         return train, evals
-    problems = load_jsonl(settings.dataset).problems
+    problems = load_jsonl(settings.dataset, prompt_field=settings.prompt_field,
+                          answer_field=settings.answer_field).problems
     n_eval = min(settings.eval_size, max(1, len(problems) // 10))
     return problems[: len(problems) - n_eval] or problems, problems[len(problems) - n_eval:]
 
@@ -94,7 +95,7 @@ class RolloutWorker:
         cal = calibrate(self.engine, prompts, batch_sizes=(1, 2, 4, 8), gammas=(2, 4), steps=6, rounds=1,
                         seed=self.settings.seed)
         self.engine.controller = AdaptiveController(
-            list(self.engine.proposers), cost_model=cal.cost_model, alpha_priors=cal.alpha,
+            list(self.engine.proposers), cost_model=cal.cost_model, alpha_priors=cal.alpha, metrics=self.metrics,
             settings=settings_from_spec(self.settings.extra.get("speculative"), seed=self.settings.seed))
         self.engine.stats.reset()  # calibration steps are not rollouts
         self.calibration = cal.summary()

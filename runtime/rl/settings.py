@@ -24,6 +24,8 @@ class RunSettings:
     dataset: str = "builtin:arithmetic"
     dataset_size: int = 2000
     difficulty: dict[str, float] | None = None
+    prompt_field: str = "prompt"   # JSONL keys (spec.dataset.promptField / answerField)
+    answer_field: str = "answer"
     reward: str = "builtin:exact_match"
     group_size: int = 4
     prompts_per_step: int = 8
@@ -99,6 +101,8 @@ def settings_from_job(job: Any) -> RunSettings:
         dataset=dataset,
         dataset_size=size,
         difficulty=difficulty,
+        prompt_field=ds.prompt_field,
+        answer_field=ds.answer_field,
         reward=str(reward),
         group_size=alg.group_size,
         prompts_per_step=alg.prompts_per_step,

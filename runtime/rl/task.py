@@ -226,13 +226,18 @@ class JsonlDataset:
         return len(self.problems)
 
 
-def _parse_line(line: str, lineno: int) -> Problem:
+def _parse_line(line: str, lineno: int, prompt_field: str = "prompt", answer_field: str = "answer") -> Problem:
     obj = json.loads(line)
     if not isinstance(obj, dict):
         raise ValueError("line is not a JSON object")  # noqa: TRY004 - reported as a malformed line
-    if "prompt" not in obj and "question" in obj:  # GSM8K's own files name the prompt `question`
-        obj = {**obj, "prompt": obj["question"]}
-    rec = JsonlRecord.model_validate(obj)
+    if prompt_field == "prompt" and "prompt" not in obj and "question" in obj:
+        prompt_field = "question"  # GSM8K's own files name the prompt `question`
+    # Missing configured fields are named as the user spelled them (spec.dataset.promptField/answerField).
+    for key in (prompt_field, answer_field):
+        if key not in obj:
+            raise ValueError(f"{key}: field required")
+    rec = JsonlRecord.model_validate({"prompt": obj[prompt_field], "answer": obj[answer_field],
+                                      **({"id": obj["id"]} if "id" in obj else {})})
     answer_text = rec.answer
     if "####" in answer_text:
         final = extract_answer(answer_text)
@@ -244,8 +249,12 @@ def _parse_line(line: str, lineno: int) -> Problem:
     return Problem(id=rec.id or f"line-{lineno}", prompt=rec.prompt, answer=final, solution=solution)
 
 
-def load_jsonl(path: str | Path, *, strict: bool = False) -> JsonlDataset:
-    """Load a JSONL dataset with `prompt` (or `question`) and `answer` fields.
+def load_jsonl(path: str | Path, *, strict: bool = False, prompt_field: str = "prompt",
+               answer_field: str = "answer") -> JsonlDataset:
+    """Load a JSONL dataset whose lines hold the prompt under `prompt_field` and the answer under `answer_field`.
+
+    The defaults read `prompt` (or GSM8K's `question`) and `answer`; the job spec sets other keys with
+    `spec.dataset.promptField` / `answerField`.
 
     Malformed lines (not JSON, not an object, missing/empty fields, a `####` answer without a number)
     are skipped with a warning and counted in `JsonlDataset.malformed`: real dataset dumps often hold
@@ -264,7 +273,7 @@ def load_jsonl(path: str | Path, *, strict: bool = False) -> JsonlDataset:
             if not line.strip():
                 continue
             try:
-                problems.append(_parse_line(line, lineno))
+                problems.append(_parse_line(line, lineno, prompt_field, answer_field))
             except (json.JSONDecodeError, ValidationError, ValueError) as exc:
                 reason = _short_reason(exc)
                 if strict:
@@ -290,8 +299,8 @@ def _short_reason(exc: Exception) -> str:
 
 
 def load_problems(source: str, *, size: int = 1000, difficulty: Mapping[str, float] | None = None,
-                  seed: int = 0) -> list[Problem]:
+                  seed: int = 0, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Problem]:
     """Problems from `builtin:arithmetic` (generated) or a path to a JSONL file."""
     if source in (BUILTIN_TASK, "builtin", "arithmetic"):
         return list(SyntheticTask(size, difficulty, seed))
-    return load_jsonl(source).problems
+    return load_jsonl(source, prompt_field=prompt_field, answer_field=answer_field).problems
