@@ -235,7 +235,15 @@ class JobCoordinator:
                 "tokensPerSecond": round(self.tokens_per_s, 3), "acceptanceLength": self.last_acceptance,
                 "specDecodeEnabled": self.sd_enabled, "rewardMean": self.reward_mean,
                 "workers": self.table.as_status(), "complete": self.complete,
+                # where the last step's time went: the operator's rebalance policy balances roles on it
+                "lastStep": ({"rolloutSeconds": round(last["rollout_seconds"], 3),
+                              "longTailSeconds": round(last["long_tail_seconds"], 3),
+                              "trainSeconds": round(last["train_seconds"], 3)} if (last := self._last_record())
+                             else None),
             }
+
+    def _last_record(self) -> dict | None:
+        return self.history[-1] if self.history else None
 
     def drain(self, worker: str) -> dict:
         with self.lock:

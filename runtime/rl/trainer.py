@@ -286,9 +286,15 @@ class TrainerWorker:
         return ip, free_port("0.0.0.0" if ip != "127.0.0.1" else ip)
 
     def open_sync_group(self, host: str, port: int, world_size: int, epoch: int) -> bool:
-        from specrl.runtime.sync import SyncGroup, WeightSender
+        from specrl.runtime.sync import SyncGroup, WeightSender, flatten_modules_
 
         self.close_sync_group()
+        # Parameters become views of one buffer in sync_state() order, so every bucket goes out straight from
+        # parameter memory (no packing copy). Redone per group because a drafter may have appeared since.
+        modules = {"policy": self.model}
+        if self.drafter is not None:
+            modules["drafter"] = self.drafter.model
+        flatten_modules_(**modules)
         self._sync_group = SyncGroup.create(host, port, rank=0, world_size=world_size,
                                             backend=self.settings.sync_backend, epoch=epoch)
         self._sender = WeightSender(self._sync_group, bucket_mib=self.settings.bucket_mb)

@@ -70,6 +70,13 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
             assert st["step"] == 1 and st["weightVersion"] == 1 and st["complete"] is False
             assert st["stepBatchSize"] == s.prompts_per_step * s.group_size
             assert isinstance(st["tokensPerSecond"], float) and st["acceptanceLength"] is not None
+            # the operator balances roles on where the last step's time went
+            timing = st["lastStep"]
+            assert timing["rolloutSeconds"] > 0 and timing["trainSeconds"] > 0
+            assert 0 <= timing["longTailSeconds"] <= timing["rolloutSeconds"]
+            from specrl.operator.rebalance import Signals
+
+            assert Signals.from_status(st).last_step is not None
             names = {w["name"]: w for w in st["workers"]}
             assert set(names) == {"micro-trainer-0", "micro-trainer-1", "micro-rollout-0", "micro-rollout-1"}
             assert {w["role"] for w in st["workers"]} == {"trainer", "rollout"}
