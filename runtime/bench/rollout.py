@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,7 @@ class RunResult:
     acceptance_length: float | None
     forwards_per_token: float
     tail_seconds: float
+    lengths: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -222,7 +223,7 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
     engine.controller = timeline
     cpu = time.process_time()
     start = time.perf_counter()
-    engine.generate(prompts, params)
+    outs = engine.generate(prompts, params)
     end = time.perf_counter()
     cpu = time.process_time() - cpu
     n = len(prompts)
@@ -235,7 +236,8 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
     sequence_forwards = sum(r.batch_size for r in s.steps) + n
     return RunResult(tokens=s.generated_tokens, seconds=end - start, cpu_seconds=cpu,
                      acceptance_length=s.acceptance_length,
-                     forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start)
+                     forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start,
+                     lengths=[len(o.token_ids) for o in outs])
 
 
 def med(xs: Sequence[float | None]) -> float | None:
@@ -544,7 +546,9 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         "model": models.info,
         "workload": {"prompts": len(prompts), "batch_size": BATCH, "temperature": 1.0,
                      "max_new_tokens": plan.max_new_tokens, "seed": BENCH_SEED,
-                     "response_tokens": summary("ar")["tokens"]},
+                     "response_tokens": summary("ar")["tokens"],
+                     # the simulator's calibration check replays exactly these lengths (specrl simulate --from-bench)
+                     "response_lengths": runs["ar"][0].lengths},
         "proposers": {"available": available, "skipped": skipped},
         "calibration": cal.summary(),
         "configs": config_rows,
