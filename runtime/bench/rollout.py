@@ -545,6 +545,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
                     "threads": torch.get_num_threads(), "platform": platform.platform()},
         "model": models.info,
         "workload": {"prompts": len(prompts), "batch_size": BATCH, "temperature": 1.0,
+                     "prompt_tokens_mean": sum(map(len, prompts)) / max(1, len(prompts)),
                      "max_new_tokens": plan.max_new_tokens, "seed": BENCH_SEED,
                      "response_tokens": summary("ar")["tokens"],
                      # the simulator's calibration check replays exactly these lengths (specrl simulate --from-bench)

@@ -26,7 +26,8 @@ def scenario_from_bench(bench: dict[str, Any], method: str = "none", gamma: int 
         "model": "Qwen3-0.6B",  # only names the model; calibrated costs replace its roofline
         "placement": "colocated",
         "rollout": {"tensor_parallel": 1, "max_batch": int(wl["batch_size"])},
-        "workload": {"steps": 1, "prompts_per_step": len(lengths), "group_size": 1, "prompt_tokens": 16,
+        "workload": {"steps": 1, "prompts_per_step": len(lengths), "group_size": 1,
+                     "prompt_tokens": max(1, round(wl.get("prompt_tokens_mean", 16))),
                      "response": {"distribution": "empirical", "lengths": lengths, "exact": True,
                                   "max": max(lengths), "min": 1}},
         "speculative": {"drafter": method, "num_speculative_tokens": gamma, "policy": "always",

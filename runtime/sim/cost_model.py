@@ -131,7 +131,9 @@ class CostModel:
         if sequences <= 0:
             return 0.0
         if self.measured is not None:
-            return 0.0  # prefill of the short task prompts is inside the measured step costs
+            # a prefill is one forward over prompt_tokens new tokens per sequence, which is what a verify pass
+            # of gamma = prompt_tokens - 1 measures (linear in tokens beyond the calibrated gammas)
+            return self.measured.v(sequences, prompt_tokens - 1) * self.measured.t_ar(sequences)
         flops = 2.0 * self.model.active_params * sequences * prompt_tokens
         return flops / (self.gpu.flops * self.eff.prefill_mfu * self.tp) + self._overhead(sequences)
 

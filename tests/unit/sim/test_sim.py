@@ -61,12 +61,14 @@ def test_speculation_policy_switches_off_at_large_batch() -> None:
 def test_instance_simulation_matches_closed_form_with_flat_costs() -> None:
     s = scenario(calibration={"target_step_ms": {1: 10.0}, "v": {1: {2: 1.0}}}, speculative={"drafter": "none"})
     costs = CostModel(s)
+    prefill = costs.prefill(3, 10)
+    assert prefill == pytest.approx(0.01)  # a forward over 10 new tokens; the measured verify cost is flat here
     run = simulate_instance([100, 300, 50], 10, 8, costs, SpeculationPolicy(s.speculative, costs), 0.0)
-    assert run.finish == pytest.approx(300 * 0.01)  # all decode together: the longest one sets the time
-    assert sorted(run.finish_times) == pytest.approx([0.5, 1.0, 3.0])
-    # one slot: strictly sequential
+    assert run.finish == pytest.approx(prefill + 300 * 0.01)  # all decode together: the longest one sets the time
+    assert sorted(run.finish_times) == pytest.approx([prefill + 0.5, prefill + 1.0, prefill + 3.0])
+    # one slot: strictly sequential, one prefill each
     run1 = simulate_instance([100, 300, 50], 10, 1, costs, SpeculationPolicy(s.speculative, costs), 0.0)
-    assert run1.finish == pytest.approx(450 * 0.01)
+    assert run1.finish == pytest.approx(3 * prefill + 450 * 0.01)
 
 
 def test_instance_simulation_with_speculation_uses_expected_tokens_per_iteration() -> None:
@@ -78,7 +80,9 @@ def test_instance_simulation_with_speculation_uses_expected_tokens_per_iteration
     costs = CostModel(s)
     run = simulate_instance([1000], 10, 8, costs, SpeculationPolicy(s.speculative, costs), 0.8)
     per_iter = (4 * 0.05 + 1.1 + 0.02) * 0.01
-    assert run.finish == pytest.approx(1000 / expected_tokens_per_round(0.8, 4) * per_iter)
+    prefill = costs.prefill(1, 10)
+    assert prefill == pytest.approx((1.0 + 0.1 / 4 * 9) * 0.01)  # verify cost extended linearly to 10 tokens
+    assert run.finish == pytest.approx(prefill + 1000 / expected_tokens_per_round(0.8, 4) * per_iter)
 
 
 def test_workload_is_seeded_long_tailed_and_grows() -> None:
@@ -167,3 +171,35 @@ def test_cli_json_and_bad_input(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "simulate", "--preset", "nope"],
                           check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown preset" in proc.stderr
+
+
+def _bench(lengths: list[int]) -> dict:
+    """A bench JSON in the shape `specrl bench rollout --json` writes (calibration in target-step units)."""
+    return {
+        "workload": {"batch_size": 4, "response_lengths": lengths, "prompt_tokens_mean": 8.0},
+        "calibration": {"target_step_ms": {1: 10.0, 4: 12.0}, "v": {1: {2: 1.2, 4: 1.4}, 4: {2: 1.3, 4: 1.6}},
+                        "r": {"draft_model": {1: 0.1, 4: 0.1}}, "overhead": {"draft_model": {1: 0.05, 4: 0.05}},
+                        "alpha": {"draft_model": 0.8}},
+        "configs": [{"name": "ar", "method": "none", "gamma": None, "speedup_vs_ar": 1.0},
+                    {"name": "draft_model-g4", "method": "draft_model", "gamma": 4, "acceptance_length": 3.5,
+                     "speedup_vs_ar": 1.6},
+                    {"name": "ngram-g4", "method": "ngram", "gamma": 4, "acceptance_length": 1.2,
+                     "speedup_vs_ar": 0.7}],
+    }
+
+
+def test_predict_bench_replays_the_measured_workload() -> None:
+    from specrl.runtime.sim.calibrated import predict_bench, scenario_from_bench
+
+    bench = _bench([5, 40, 12, 80, 7, 33, 9, 15])
+    rows = predict_bench(bench)
+    assert [r["name"] for r in rows] == ["draft_model-g4"]  # ngram was not calibrated: no prediction
+    row = rows[0]
+    # closed form for one instance at batch <= 4 is messy; bound it by the per-round ratio at batch 1 and 4
+    per_round = [3.5 / (4 * 0.1 + v + 0.05) for v in (1.4 + (1.4 - 1.2) / 2, 1.6 + (1.6 - 1.3) / 2)]
+    assert min(per_round) * 0.8 < row["predicted_speedup"] < max(per_round)
+    assert row["relative_error"] == pytest.approx(row["predicted_speedup"] / 1.6 - 1)
+    s = scenario_from_bench(bench)
+    assert s.workload.prompt_tokens == 8 and sorted(step_lengths(s.workload, 0)) == sorted([5, 40, 12, 80, 7, 33, 9, 15])
+    with pytest.raises(ValueError, match="response_lengths"):
+        scenario_from_bench({**bench, "workload": {"batch_size": 4}})
