@@ -50,7 +50,7 @@ class RunSettings:
     checkpoint_interval: int = 0
     checkpoint_keep: int = 3
     seed: int = 0
-    eval_size: int = 64
+    eval_size: int = 256  # held-out greedy eval before/after: large enough that a few-point rise is not noise
     micro_batch: int = 16
     chunk_prompts: int = 2
     torch_threads: int = 1
