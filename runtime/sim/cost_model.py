@@ -61,7 +61,7 @@ class CostModel:
         self.eff = scenario.rollout.efficiency
         spec = scenario.speculative
         self.draft_spec: ModelSpec | None = model_named(spec.draft_model) if spec.draft_model else None
-        self.calibration: Calibration | None = scenario.calibration
+        # measured costs (`calibration:` in the scenario) replace the roofline wherever they exist
         self.measured = _engine_cost_model(scenario.calibration) if scenario.calibration else None
 
     # -- forward passes ------------------------------------------------------------------------------------
