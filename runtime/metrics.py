@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Literal
@@ -70,6 +71,9 @@ class MetricSpec:
 
 
 METRICS: tuple[MetricSpec, ...] = (
+    # Every process, so alerts can tell a job that just started from one that stopped making progress.
+    MetricSpec("start_time", "specrl_start_time_seconds", "gauge",
+               "Start time of this worker process since the Unix epoch in seconds."),
     # rollout
     MetricSpec("queue_depth", "specrl_rollout_queue_depth", "gauge", "Prompts waiting in the coordinator queue."),
     MetricSpec("active_sequences", "specrl_rollout_active_sequences", "gauge",
@@ -197,6 +201,7 @@ class RuntimeMetrics:
     weight_version: Gauge
     drafter_train_steps: Counter
     drafter_loss: Gauge
+    start_time: Gauge
 
     def __init__(self, job: str, namespace: str, role: str, worker: str,
                  registry: CollectorRegistry | None = None) -> None:
@@ -207,6 +212,7 @@ class RuntimeMetrics:
         self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
         for attr, family in families(self.registry).items():
             setattr(self, attr, family.labels(**self.labels))
+        self.start_time.set(time.time())
 
     @classmethod
     def from_env(cls, role: str | None = None, registry: CollectorRegistry | None = None) -> RuntimeMetrics:

@@ -104,6 +104,22 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         ],
         "alert_rule_test": [alert("SpecRLRolloutStalled", "25m", True, severity="warning", team="ml")],
     },
+    # Started at t=0 and still loading the model: nothing generated yet, but younger than the 5m rate window, so
+    # not even pending (a fresh counter has a single sample and no rate); if it never starts: pending from 5m,
+    # firing from 15m.
+    "rollout not started yet": {
+        "input_series": [
+            s("specrl_start_time_seconds", "0x30", role="coordinator", worker="grpo-coordinator-0"),
+            s("specrl_start_time_seconds", "60x30"),
+            s("specrl_rollout_queue_depth", "5x30", role="coordinator", worker="grpo-coordinator-0"),
+            s("specrl_rollout_active_sequences", "0x30"),
+            s("specrl_rollout_generated_tokens_total", "_x1 0x29"),
+        ],
+        "promql_expr_test": [{"expr": 'ALERTS{alertname="SpecRLRolloutStalled"}', "eval_time": t, "exp_samples": []}
+                             for t in ("1m", "2m", "4m")],
+        "alert_rule_test": [alert("SpecRLRolloutStalled", "14m", False),
+                            alert("SpecRLRolloutStalled", "16m", True, severity="warning", team="ml")],
+    },
     "rollout healthy": {
         "input_series": [
             s("specrl_rollout_queue_depth", "5x30", role="coordinator", worker="grpo-coordinator-0"),
