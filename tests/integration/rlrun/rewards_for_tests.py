@@ -8,3 +8,8 @@ def raising(prompt: str, completion: str, answer: str) -> float:
 def length_reward(prompt: str, completion: str, answer: str) -> float:
     """Dense signal for micro models that cannot solve the task yet: shorter answers score higher."""
     return 1.0 / (1.0 + len(completion))
+
+
+def starts_with_digit(prompt: str, completion: str, answer: str) -> float:
+    """A behaviour the near-random micro policy shows about half the time: GRPO must make it the rule."""
+    return 1.0 if completion[:1].isdigit() else 0.0
