@@ -830,11 +830,11 @@ class JobCoordinator:
 
     # ------------------------------------------------------------------ measurements
 
-    def evaluate(self, use_sd: bool = True) -> dict:
+    def evaluate(self, use_sd: bool = True, split: str = "heldout") -> dict:
         import ray
 
         name = self._schedulable()[0]
-        return ray.get(self.rollouts[name].evaluate.remote(None, use_sd))
+        return ray.get(self.rollouts[name].evaluate.remote(None, use_sd, split))
 
     def compare_rollout(self, step: int | None = None) -> dict:
         """SD vs plain decoding on one worker for a full step batch, same weights and seeds, back to back."""

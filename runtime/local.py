@@ -6,6 +6,9 @@ gloo weight-sync side group, the coordinator's HTTP API on a free local port. Wr
 
 Measurements (side by side, in this run, on this machine):
 - accuracy_start/end: greedy decoding of held-out problems before the first and after the last step;
+- trained_accuracy_start/end: the same on the first `eval_size` problems of the job's own dataset (what the
+  updates train on: a small policy can learn those problems without getting better at new ones);
+- rollout_accuracy_start/end: share of correct samples in the first and last step's rollouts (sampled, noisy);
 - greedy_sd_equals_ar: the final greedy evaluation with speculation on and off, token for token;
 - sd_rollout_speedup: one full step batch at the job's temperature on one rollout worker, with speculation and
   with plain decoding, same weights and seeds, back to back (wall time of the rollout phase only).
@@ -92,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
     return 0 if summary.get("prompts_lost", 0) == 0 else 1
 
 
-SUMMARY_HEADLINE = ("steps", "accuracy_start", "accuracy_end", "reward_start", "reward_end", "acceptance_length",
+SUMMARY_HEADLINE = ("steps", "accuracy_start", "accuracy_end", "trained_accuracy_start",
+                    "trained_accuracy_end", "reward_start", "reward_end", "acceptance_length",
                     "rollout_tokens_per_s", "sd_rollout_speedup", "greedy_sd_equals_ar", "weight_sync_seconds",
                     "prompts_lost", "wall_seconds")
 
@@ -157,6 +161,7 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
         url = ray.get(coord.get_url.remote())
         display.note(f"coordinator API {url}")
         eval_start = ray.get(coord.evaluate.remote(True)) if measure else None
+        trained_start = ray.get(coord.evaluate.remote(True, "trained")) if measure else None
         first_step = ray.get(coord.status.remote())["step"]
         with display, metrics_path.open("w") as mf:
             for step in range(first_step, settings.steps):
@@ -178,8 +183,10 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
             display.note("final evaluation (greedy, SD on and off) and SD-vs-AR rollout comparison")
             eval_sd = ray.get(coord.evaluate.remote(True))
             eval_ar = ray.get(coord.evaluate.remote(False))
+            trained_end = ray.get(coord.evaluate.remote(True, "trained"))
             cmp = ray.get(coord.compare_rollout.remote())
-            measures = {"eval_start": eval_start, "eval_sd": eval_sd, "eval_ar": eval_ar, "compare": cmp}
+            measures = {"eval_start": eval_start, "eval_sd": eval_sd, "eval_ar": eval_ar, "compare": cmp,
+                        "trained_start": trained_start, "trained_end": trained_end}
         ledger = ray.get(coord.ledger_report.remote())
         summary = summarize(settings, records, measures, ledger, time.perf_counter() - t_start)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -215,8 +222,8 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
         "drafter_training": settings.drafter_training,
         "reward_start": records[0]["reward_mean"] if records else None,
         "reward_end": records[-1]["reward_mean"] if records else None,
-        "train_accuracy_start": records[0]["accuracy"] if records else None,
-        "train_accuracy_end": records[-1]["accuracy"] if records else None,
+        "rollout_accuracy_start": records[0]["accuracy"] if records else None,
+        "rollout_accuracy_end": records[-1]["accuracy"] if records else None,
         "acceptance_length": acc_last,
         "acceptance_length_per_step": [r["acceptance_length"] for r in records],
         "rollout_tokens_per_s": tokens / rollout_s if rollout_s > 0 else 0.0,
@@ -237,6 +244,9 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
     if ev_sd:
         summary["accuracy_end"] = ev_sd["accuracy"]
         summary["eval_problems"] = len(ev_sd["tokens"])
+    for key in ("trained_start", "trained_end"):
+        if measures.get(key):
+            summary[f"trained_accuracy_{key.removeprefix('trained_')}"] = measures[key]["accuracy"]
     if ev_sd and ev_ar:
         summary["greedy_sd_equals_ar"] = ev_sd["tokens"] == ev_ar["tokens"]
         summary["eval_sd_seconds"] = ev_sd["seconds"]
@@ -252,8 +262,8 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
             f"speculative vs plain decoding on the final weights with the same per-sample seeds, {cmp['repeats']} "
             "pairs in alternating order; median of the per-pair AR/SD wall-time ratios of generate()")
     if "accuracy_start" not in summary:
-        summary["accuracy_start"] = summary["train_accuracy_start"]
-        summary["accuracy_end"] = summary["train_accuracy_end"]
+        summary["accuracy_start"] = summary["rollout_accuracy_start"]
+        summary["accuracy_end"] = summary["rollout_accuracy_end"]
     return summary
 
 
@@ -350,6 +360,9 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None)
     if summary and summary.get("eval_problems"):
         ax.plot([steps[0], steps[-1]], [summary["accuracy_start"], summary["accuracy_end"]], "k--", marker="D",
                 label=f"greedy eval ({summary['eval_problems']} held-out), before/after")
+    if summary and summary.get("trained_accuracy_end") is not None:
+        ax.plot([steps[0], steps[-1]], [summary["trained_accuracy_start"], summary["trained_accuracy_end"]], ":",
+                color="tab:green", marker="D", label="greedy eval (problems it trains on), before/after")
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.05, 1.05)
     ax.legend()

@@ -221,12 +221,20 @@ class RolloutWorker:
         return {"worker": self.name, "samples": samples, "seconds": seconds, "tokens": tokens,
                 "stats": delta, "weight_version": version, "reward_errors": self.reward.errors}
 
-    def evaluate(self, indices: list[int] | None = None, use_sd: bool = True) -> dict[str, Any]:
-        """Greedy decode of the held-out problems: accuracy, the token trajectories, time."""
+    def evaluate(self, indices: list[int] | None = None, use_sd: bool = True,
+                 split: str = "heldout") -> dict[str, Any]:
+        """Greedy decode of evaluation problems: accuracy, the token trajectories, time.
+
+        `split` "heldout": problems the job never trains on; "trained": the first `eval_size` problems of the
+        job's own dataset (what the RL updates see), to tell learning the task from learning the problems.
+        """
         from specrl.runtime.rl.task import is_correct, prompt_token_ids
 
         self._apply_pending()
-        problems = self.eval_problems if indices is None else [self.eval_problems[i] for i in indices]
+        if split not in ("heldout", "trained"):
+            raise ValueError(f"split: must be 'heldout' or 'trained', got {split!r}")
+        pool = self.eval_problems if split == "heldout" else self.problems[: len(self.eval_problems)]
+        problems = pool if indices is None else [pool[i] for i in indices]
         prompts = [prompt_token_ids(p, self.tokenizer) for p in problems]
         engine = self.engine if use_sd else self.ar_engine
         before = stats_snapshot(engine.stats)
