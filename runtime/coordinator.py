@@ -151,6 +151,8 @@ class StepRecord:
     reward_errors: int = 0
     requeued: int = 0
     workers: dict[str, int] = field(default_factory=dict)
+    eval_accuracy: float | None = None  # held-out greedy accuracy after this step (spec.algorithm.evalEvery)
+    eval_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -472,6 +474,11 @@ class JobCoordinator:
         # -- bookkeeping
         rec = self._record(step, samples, train_out, rollout_seconds, long_tail_seconds, train_seconds,
                            sync_info, drafter_info, time.perf_counter() - t_step)
+        if s.eval_every and (step + 1) % s.eval_every == 0:
+            # After the sync, so the rollout worker decodes with the weights this step produced.
+            ev = self.evaluate(True)
+            rec["eval_accuracy"], rec["eval_seconds"] = ev["accuracy"], ev["seconds"]
+            self.cm.eval_accuracy.set(ev["accuracy"])
         with self.lock:
             self.step = step + 1
             self.history.append(rec)

@@ -226,6 +226,8 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
         "rollout_accuracy_end": records[-1]["accuracy"] if records else None,
         "acceptance_length": acc_last,
         "acceptance_length_per_step": [r["acceptance_length"] for r in records],
+        "eval_accuracy_per_step": {r["step"]: r["eval_accuracy"] for r in records
+                                   if r.get("eval_accuracy") is not None},
         "rollout_tokens_per_s": tokens / rollout_s if rollout_s > 0 else 0.0,
         "weight_sync_seconds": statistics.median(syncs) if syncs else 0.0,
         "weight_sync_bytes": records[-1]["sync_bytes"] if records else 0,
@@ -273,7 +275,7 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
 class Display:
     """A rich progress bar and a live table of steps; plain log lines with --no-progress."""
 
-    COLUMNS = ("step", "reward", "acc", "tok/s", "accept", "SD on", "tail s", "sync s", "step s")
+    COLUMNS = ("step", "reward", "acc", "eval", "tok/s", "accept", "SD on", "tail s", "sync s", "step s")
 
     def __init__(self, settings, enabled: bool = True) -> None:
         self.settings = settings
@@ -328,7 +330,9 @@ class Display:
 
     def add_step(self, rec: dict) -> None:
         acc = rec["acceptance_length"]
-        row = (str(rec["step"]), f"{rec['reward_mean']:.3f}", f"{rec['accuracy']:.3f}", f"{rec['tokens_per_s']:.0f}",
+        ev = rec.get("eval_accuracy")
+        row = (str(rec["step"]), f"{rec['reward_mean']:.3f}", f"{rec['accuracy']:.3f}",
+               "-" if ev is None else f"{ev:.3f}", f"{rec['tokens_per_s']:.0f}",
                "-" if acc is None else f"{acc:.2f}",
                "-" if rec["sd_share"] is None else f"{100 * rec['sd_share']:.0f}%",
                f"{rec['long_tail_seconds']:.1f}", f"{rec['sync_seconds']:.3f}", f"{rec['step_seconds']:.1f}")
@@ -360,6 +364,9 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None)
     if summary and summary.get("eval_problems"):
         ax.plot([steps[0], steps[-1]], [summary["accuracy_start"], summary["accuracy_end"]], "k--", marker="D",
                 label=f"greedy eval ({summary['eval_problems']} held-out), before/after")
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if r.get("eval_accuracy") is not None]
+    if evals:
+        ax.plot(*zip(*evals), "k:", marker="x", label="greedy eval, held-out (every evalEvery steps)")
     if summary and summary.get("trained_accuracy_end") is not None:
         ax.plot([steps[0], steps[-1]], [summary["trained_accuracy_start"], summary["trained_accuracy_end"]], ":",
                 color="tab:green", marker="D", label="greedy eval (problems it trains on), before/after")

@@ -50,6 +50,7 @@ class RunSettings:
     checkpoint_interval: int = 0
     checkpoint_keep: int = 3
     seed: int = 0
+    eval_every: int = 0  # held-out greedy eval after every N steps (0 = only before/after, in `specrl run`)
     eval_size: int = 256  # held-out greedy eval before/after: large enough that a few-point rise is not noise
     micro_batch: int = 16
     chunk_prompts: int = 2
@@ -126,6 +127,7 @@ def settings_from_job(job: Any) -> RunSettings:
         checkpoint_interval=spec.checkpoint.interval if spec.checkpoint.path else 0,
         checkpoint_keep=spec.checkpoint.keep,
         seed=alg.seed,
+        eval_every=alg.eval_every,
         extra={"speculative": sp.model_dump(by_alias=True, exclude_none=True)},
     )
 

@@ -171,8 +171,10 @@ JOB_ROWS: list[Row] = [
               "Samples waiting for a trainer. A growing backlog (async mode) pushes GPUs towards training.",
               [Target(f"sum by (namespace, job) (specrl_trainer_backlog_samples{{{SEL}}})", "{{job}}")]),
         Panel("Reward",
-              "Mean reward of the samples of the last training step.",
-              [Target(f"avg by (namespace, job) (specrl_trainer_reward_mean{{{SEL}}})", "{{job}}")],
+              "Mean reward of the samples of the last training step, and greedy accuracy on held-out problems at "
+              "the last periodic evaluation (spec.algorithm.evalEvery).",
+              [Target(f"avg by (namespace, job) (specrl_trainer_reward_mean{{{SEL}}})", "reward {{job}}"),
+               Target(f"max by (namespace, job) (specrl_eval_accuracy_ratio{{{SEL}}})", "held-out accuracy {{job}}")],
               min=None),
         Panel("Training step",
               "Last completed RL step.",

@@ -131,7 +131,7 @@ def micro_job(path: Path, steps: int) -> Path:
     job["metadata"] = {"name": "chart-e2e", "namespace": "localhost"}
     job["spec"]["model"]["name"] = str(policy)
     job["spec"]["speculative"]["draftModel"] = str(draft)
-    job["spec"]["algorithm"].update(steps=steps, promptsPerStep=8, groupSize=2, maxNewTokens=32)
+    job["spec"]["algorithm"].update(steps=steps, promptsPerStep=8, groupSize=2, maxNewTokens=32, evalEvery=2)
     job["spec"]["dataset"]["synthetic"]["size"] = 128
     path.write_text(yaml.safe_dump(job))
     return path

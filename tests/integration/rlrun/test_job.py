@@ -137,13 +137,19 @@ def test_grpo_raises_the_reward_of_a_real_job(local_ray, micro):
     from micro import micro_settings
 
     s = micro_settings(steps=20, prompts_per_step=8, group_size=4, lr=2e-2, reward="rewards_for_tests:starts_with_digit",
-                       drafter_training=False, eval_size=4)
+                       drafter_training=False, eval_size=4, eval_every=10)
     coord = JobCoordinator(s)
     try:
         coord.start()
-        rewards = [h["reward_mean"] for h in coord.run()]
+        history = coord.run()
+        body = coord.metrics()[0].decode()
     finally:
         coord.shutdown()
+    rewards = [h["reward_mean"] for h in history]
+    # evalEvery: a held-out greedy evaluation after steps 10 and 20, exported as a gauge
+    assert [h["step"] for h in history if h["eval_accuracy"] is not None] == [9, 19]
+    assert all(0.0 <= h["eval_accuracy"] <= 1.0 for h in history if h["eval_accuracy"] is not None)
+    assert any(x.startswith("specrl_eval_accuracy_ratio{") for x in body.splitlines())
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last >= 0.85 and last >= first + 0.25, rewards
 
