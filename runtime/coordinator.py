@@ -740,7 +740,7 @@ class JobCoordinator:
         trainer = self._trainer0()
         if self._members_changed or self._sync_epoch < 0:
             self._sync_epoch += 1
-            host, port = ray.get(trainer.node_address.remote())
+            host, port = ray.get(trainer.sync_address.remote())
             world = len(receivers) + 1
             refs = [trainer.open_sync_group.remote(host, port, world, self._sync_epoch)]
             refs += [self.rollouts[n].open_sync_group.remote(host, port, rank, world, self._sync_epoch)

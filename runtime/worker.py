@@ -19,8 +19,10 @@ Environment (set by the operator in every pod; all optional locally except where
 `SPECRL_COORDINATOR_ADDR`      host:port of the coordinator Service (HTTP; workers wait for its /healthz)
 `SPECRL_RAY_ADDRESS`           host:6379 of the coordinator's Ray head (required for trainer/rollout)
 `SPECRL_COORDINATOR_TOKEN`     bearer token that protects POST /drain (from the job's Secret)
-`SPECRL_SYNC_MASTER_ADDR`      torch.distributed rendezvous host (trainer rank 0; used by the sync group)
-`SPECRL_SYNC_MASTER_PORT`      torch.distributed rendezvous port
+`SPECRL_SYNC_MASTER_ADDR`      trainer-0's stable DNS name (for tools; the sender hosts the store at its own
+                               address, since after an elastic change rank 0 may be another trainer pod)
+`SPECRL_SYNC_MASTER_PORT`      port the weight-sync store listens on in the sending trainer pod (declared on
+                               the pod and the headless Service; without it a free port is used)
 `SPECRL_CONNECT_TIMEOUT`       seconds a worker keeps retrying the coordinator before it gives up (default 300)
 `SPECRL_HTTP_PORT`             coordinator HTTP port (default 8000)
 `SPECRL_RAY_HEAD_PORT`         coordinator's Ray head port (default 6379)

@@ -285,6 +285,22 @@ class TrainerWorker:
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         return ip, free_port("0.0.0.0" if ip != "127.0.0.1" else ip)
 
+    def sync_address(self) -> tuple[str, int]:
+        """Where this trainer hosts the weight-sync store: its own address, on the port the operator opened for
+        it (`SPECRL_SYNC_MASTER_PORT`, declared on the pod and the headless Service), else a free port.
+
+        The host is always this trainer's own address, not `SPECRL_SYNC_MASTER_ADDR`: that names trainer-0's
+        pod, and after an elastic change the sender (rank 0) may be another trainer pod.
+        """
+        raw = os.environ.get("SPECRL_SYNC_MASTER_PORT", "").strip()
+        host, port = self.node_address()
+        if raw:
+            try:
+                port = int(raw)
+            except ValueError:
+                raise ValueError(f"SPECRL_SYNC_MASTER_PORT must be an integer, got {raw!r}") from None
+        return host, port
+
     def open_sync_group(self, host: str, port: int, world_size: int, epoch: int) -> bool:
         from specrl.runtime.sync import SyncGroup, WeightSender, flatten_modules_
 

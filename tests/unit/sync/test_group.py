@@ -88,3 +88,12 @@ def test_roles_and_rebuild_rules(solo: SyncGroup) -> None:
     solo.close()
     with pytest.raises(SyncError, match="closed"):
         solo.broadcast(torch.ones(1))
+
+
+def test_a_new_epoch_can_host_on_the_same_declared_port() -> None:
+    # The operator opens one port (SPECRL_SYNC_MASTER_PORT) for the sender: every membership change re-creates
+    # the group there, right after the previous group's store was dropped.
+    port = free_port()
+    for epoch in range(3):
+        group = SyncGroup.create("127.0.0.1", port, rank=0, world_size=1, epoch=epoch, timeout_s=10)
+        group.close()
