@@ -19,6 +19,12 @@ Three layers, each a small pure object, combined by `AdaptiveController` (the en
     "as fast as plain decoding". Arms never measured are scored by the cost model (a)+(b), so exploitation starts
     where the model points and measurements correct it.
 
+**Switching costs.** A proposer with its own KV cache (draft model, quantized copy) catches up on every token it
+did not see while another arm ran, inside the first step after a switch. That step measures the switch, not the
+arm, so it is not scored (one unlucky catch-up would otherwise bury the best arm for good), and exploration runs
+in short bursts of `explore_run` steps on one arm at ε/`explore_run`: as many exploratory steps, a third of the
+switches, and every burst yields scored steady-state steps.
+
 Nothing here touches the engine's sampling RNG: exploration draws from the controller's own `random.Random`, so
 the choice of arm never changes the sampled tokens' distribution (speculation is lossless for any arm).
 
@@ -299,7 +305,7 @@ class BucketedEpsilonGreedy:
 
     def __init__(self, arms: Sequence[Decision], thresholds: Sequence[int] = DEFAULT_BUCKETS, epsilon: float = 0.1,
                  window: int = 100, seed: int = 0, min_samples: int = 3, explore_gap: float = 0.25,
-                 min_exact: int = 8) -> None:
+                 min_exact: int = 8, decay_steps: int = 0, min_epsilon_fraction: float = 0.25) -> None:
         if not arms:
             raise ValueError("BucketedEpsilonGreedy: needs at least one arm")
         if not 0.0 <= epsilon <= 1.0:
@@ -313,6 +319,11 @@ class BucketedEpsilonGreedy:
         self.arms = list(dict.fromkeys(arms))
         self.thresholds = thresholds
         self.epsilon = epsilon
+        # ε decays per bucket as ε·sqrt(d / (d + n)) over its n decisions, down to a floor: a bucket that has
+        # seen hundreds of steps knows its arms, yet the drafter keeps training, so exploration never stops.
+        self.decay_steps = decay_steps
+        self.min_epsilon_fraction = min_epsilon_fraction
+        self._decisions: dict[int, int] = {}
         self.window = window
         self.min_samples = min_samples
         self.explore_gap = explore_gap
@@ -341,8 +352,13 @@ class BucketedEpsilonGreedy:
         window = self._rewards.get((bucket, arm))
         return len(window) if window else 0
 
-    def choose(self, batch: int, prior: Callable[[Decision], float] | None = None) -> tuple[Decision, bool]:
+    def choose(self, batch: int, prior: Callable[[Decision], float] | None = None, incumbent: str | None = None,
+               switch_margin: float = 0.0) -> tuple[Decision, bool]:
         """(arm, explored). Unmeasured arms are scored by `prior` (the cost model), else tried first.
+
+        Exploitation keeps the `incumbent` proposer (the one that ran last; None = plain decoding) unless another
+        proposer's arm is better by more than `switch_margin`: a switch makes the new proposer catch up on the
+        tokens it missed, so flapping between two near-equal proposers costs more than either.
 
         Exploration is uniform over the arms still in contention: those whose median (or, unmeasured, prior)
         is within `explore_gap` of the best arm's (without a prior, also those with fewer than `min_samples`
@@ -363,16 +379,23 @@ class BucketedEpsilonGreedy:
                 return s
             return prior(arm) if prior is not None else math.inf
 
-        best = max(self.arms, key=lambda a: (value(a), not is_speculative(a), -a.gamma))
-        if self._rng.random() < self.epsilon:
+        def sticky(arm: Decision) -> float:
+            v = value(arm)
+            return v * (1.0 + switch_margin) if (arm.method if is_speculative(arm) else None) == incumbent else v
+
+        best = max(self.arms, key=lambda a: (sticky(a), not is_speculative(a), -a.gamma))
+        n = self._decisions[b] = self._decisions.get(b, 0) + 1
+        if self._rng.random() < self.epsilon_at(b, n):
             top = value(best)
             # With a prior, unmeasured arms compete on their predicted value (a proposer the cost model says is
             # 10x too slow is not worth three trial steps); without one, every arm gets `min_samples` tries.
             # Predictions from a start-up calibration on a noisy machine are trusted within 2x only.
+            # An arm with fewer than `min_samples` measurements stays in contention on its prediction too: one
+            # unlucky step (a load spike, a catch-up) must not bury an arm the cost model rates highly.
             contenders = [a for a in self.arms
                           if value(a) >= (1 - self.explore_gap) * top
                           or (self.samples(b, a) < self.min_samples
-                              and (prior is None or value(a) >= 0.5 * top))]
+                              and (prior is None or max(value(a), prior(a)) >= 0.5 * top))]
             if contenders and self._rng.random() >= 0.1:
                 return self._rng.choice(contenders), True
             # Rarely, any arm — weighted by its value squared: one step of an arm measured 20x slower than plain
@@ -382,6 +405,12 @@ class BucketedEpsilonGreedy:
                        else max(min(value(a) / top, 1.0), 0.0) ** 2 + 1e-9 for a in self.arms]
             return self._rng.choices(self.arms, weights)[0], True
         return best, False
+
+    def epsilon_at(self, bucket: int, decisions: int | None = None) -> float:
+        n = self._decisions.get(bucket, 0) if decisions is None else decisions
+        if not self.decay_steps:
+            return self.epsilon
+        return self.epsilon * max(self.min_epsilon_fraction, math.sqrt(self.decay_steps / (self.decay_steps + n)))
 
     def update(self, batch: int, arm: Decision, reward: float) -> None:
         key = (self.bucket(batch), arm)
@@ -418,6 +447,9 @@ class AdaptiveSettings:
     margin: float = 0.05
     buckets: tuple[int, ...] = DEFAULT_BUCKETS
     epsilon: float = 0.1
+    explore_run: int = 3  # exploratory steps in a row on one arm (the first, a switch, is not scored)
+    switch_margin: float = 0.05  # another proposer must look this much better to switch to it
+    epsilon_decay_steps: int = 200  # per bucket: ε·sqrt(d/(d+n)) after n decisions, floored at ε/4 (0 = constant)
     window: int = 100
     ewma_decay: float = 0.9
     prior_alpha: float = 0.6
@@ -435,6 +467,8 @@ class AdaptiveSettings:
                              f"[{self.min_gamma}, {self.max_gamma}]")
         if self.margin < 0:
             raise ValueError(f"margin: must be >= 0, got {self.margin}")
+        if self.explore_run < 1:
+            raise ValueError(f"explore_run: must be >= 1, got {self.explore_run}")
 
     @property
     def adaptive(self) -> bool:
@@ -575,8 +609,10 @@ class AdaptiveController:
         s = self.settings
         self.acceptance = AcceptanceTracker(prior=s.prior_alpha, decay=s.ewma_decay, priors=alpha_priors)
         arms = ([AR] if s.toggle else []) + [Decision(m, g) for m in self.methods for g in s.arm_gammas()]
-        self.bandit = BucketedEpsilonGreedy(arms or [AR], thresholds=s.buckets, epsilon=s.epsilon, window=s.window,
-                                            seed=s.seed)
+        self.bandit = BucketedEpsilonGreedy(arms or [AR], thresholds=s.buckets, epsilon=s.epsilon / s.explore_run,
+                                            window=s.window, seed=s.seed, decay_steps=s.epsilon_decay_steps)
+        self._burst: tuple[Decision, int, int] | None = None  # (arm, bucket, steps left) of an exploration burst
+        self._last_method: str | None = None  # proposer of the previous step (None: plain decoding)
         self._prior_cache: dict[int, tuple[int, dict[Decision, float]]] = {}
         self._clock = StepClock(s.clock)
         self._bucket_labels = [self.bandit.bucket_label(i) for i in range(len(self.bandit.thresholds))]
@@ -631,10 +667,17 @@ class AdaptiveController:
             decision = Decision(self.methods[0], s.gamma)
         elif not s.strategy:
             decision = self._model_decision(active_batch_size)
+        elif self._burst is not None and self._burst[1] == self.bandit.bucket(active_batch_size):
+            arm, bucket, left = self._burst
+            decision, explored = arm, True
+            self._burst = (arm, bucket, left - 1) if left > 1 else None
         else:
             priors = self._priors(active_batch_size) if self.cost_model is not None else None
             decision, explored = self.bandit.choose(active_batch_size,
-                                                    priors.__getitem__ if priors is not None else None)
+                                                    priors.__getitem__ if priors is not None else None,
+                                                    incumbent=self._last_method, switch_margin=s.switch_margin)
+            self._burst = (decision, self.bandit.bucket(active_batch_size), s.explore_run - 1) \
+                if explored and s.explore_run > 1 else None
         self.current = decision
         self._record(active_batch_size, decision, explored)
         self._clock.start()
@@ -653,6 +696,10 @@ class AdaptiveController:
         # fewer, which is the same for every arm, so it does not bias the comparison.
         if not is_speculative(decision):
             self.ar_cost.add(batch, seconds)
+        method = decision.method if is_speculative(decision) else None
+        switched, self._last_method = method is not None and method != self._last_method, method
+        if switched:
+            return  # this step paid the proposer's catch-up on tokens it missed: a switching cost, not the arm's
         tokens_per_s = max(record.emitted_tokens, 0) / seconds
         t_ar = self.ar_cost.seconds(batch)
         reward = tokens_per_s * t_ar / batch if t_ar is not None else tokens_per_s

@@ -335,3 +335,106 @@ def test_cpu_clock_restamps_step_seconds() -> None:
     assert StepClock("wall").restamp(record(AR, 4, 0, 1.5)).seconds == 1.5
     with pytest.raises(ValueError, match="clock"):
         AdaptiveSettings(clock="sundial")
+
+
+# -- switching costs: a proposer with its own KV cache catches up on the tokens it missed, in its first step
+
+
+def test_switch_steps_are_not_scored() -> None:
+    ctrl = AdaptiveController(["draft_model", "quantized_self"], settings=AdaptiveSettings(epsilon=0.0))
+    d, q = Decision("draft_model", 4), Decision("quantized_self", 4)
+    ctrl.observe(d, record(d, 1, 3, 0.05))  # AR -> draft_model: the catch-up step
+    assert ctrl.bandit.samples(0, d) == 0
+    ctrl.observe(d, record(d, 1, 3, 0.01))  # steady state
+    ctrl.observe(q, record(q, 1, 3, 0.05))  # draft_model -> quantized_self: catch-up again
+    ctrl.observe(d, record(d, 1, 3, 0.05))  # and back
+    assert ctrl.bandit.samples(0, d) == 1 and ctrl.bandit.samples(0, q) == 0
+    ctrl.observe(AR, record(AR, 1, 0, 0.01))  # plain decoding has nothing to catch up on: always scored
+    assert ctrl.bandit.samples(0, AR) == 1
+
+
+def test_exploration_runs_in_bursts_on_one_arm() -> None:
+    ctrl = AdaptiveController(["draft_model", "ngram"], settings=AdaptiveSettings(epsilon=0.6, explore_run=3, seed=3))
+    assert ctrl.bandit.epsilon == pytest.approx(0.2)  # as many exploratory steps, a third of the bursts
+    starts: list[int] = []
+    choose = ctrl.bandit.choose
+
+    def spy(*args, **kwargs):
+        arm, explored = choose(*args, **kwargs)
+        if explored:
+            starts.append(len(picks))
+        return arm, explored
+
+    ctrl.bandit.choose = spy
+    picks = []
+    for _ in range(200):
+        picks.append(ctrl.decide(1))
+    assert starts
+    for i in starts:
+        if i + 2 < len(picks):
+            assert picks[i] == picks[i + 1] == picks[i + 2], (i, picks[i:i + 3])
+        assert i + 1 not in starts and i + 2 not in starts  # the bandit is not asked during a burst
+
+
+def test_epsilon_decays_per_bucket_to_a_floor() -> None:
+    bandit = BucketedEpsilonGreedy([AR, Decision("ngram", 2)], epsilon=0.3, decay_steps=100, seed=1)
+    assert bandit.epsilon_at(0) == pytest.approx(0.3)
+    for _ in range(300):
+        bandit.choose(1)
+    assert bandit.epsilon_at(0) == pytest.approx(0.3 * math.sqrt(100 / 400))
+    assert bandit.epsilon_at(bandit.bucket(64)) == pytest.approx(0.3)  # another bucket starts afresh
+    for _ in range(100_000):
+        bandit.choose(1)
+    assert bandit.epsilon_at(0) == pytest.approx(0.3 * 0.25)  # never stops exploring: the drafter keeps training
+
+
+def test_an_unlucky_first_sample_does_not_bury_a_predicted_winner() -> None:
+    good, other = Decision("draft_model", 4), Decision("quantized_self", 6)
+    bandit = BucketedEpsilonGreedy([AR, good, other], epsilon=1.0, seed=2)
+    for _ in range(20):
+        bandit.update(1, other, 1.4)
+    bandit.update(1, good, 0.4)  # a load spike: 0.4 < half of 1.4
+    prior = {AR: 1.0, good: 1.8, other: 1.3}
+    explored = Counter(bandit.choose(1, prior.__getitem__)[0] for _ in range(300))
+    assert explored[good] > 60, explored  # still among the contenders until it has min_samples measurements
+
+
+def test_incumbent_proposer_is_kept_within_the_switch_margin() -> None:
+    d, q = Decision("draft_model", 4), Decision("quantized_self", 4)
+    bandit = BucketedEpsilonGreedy([AR, d, q], epsilon=0.0)
+    for _ in range(5):
+        bandit.update(1, AR, 1.0)
+        bandit.update(1, d, 1.50)
+        bandit.update(1, q, 1.55)
+    assert bandit.choose(1)[0] == q
+    assert bandit.choose(1, incumbent="draft_model", switch_margin=0.05)[0] == d
+    assert bandit.choose(1, incumbent="draft_model", switch_margin=0.01)[0] == q
+
+
+def test_controller_with_switching_costs_stays_near_the_best_proposer() -> None:
+    """Two proposers a few percent apart, each paying 3 plain steps of catch-up when switched to: the controller
+    must not flap between them (and keep exploring) and still reach 95% of the best fixed arm's goodput."""
+    model = memory_bound_model()
+    model.draft_step["quantized_self"] = dict(model.draft_step["draft_model"])
+    t_ar = model.t_ar(4)
+    truth = {AR: 1.0, Decision("draft_model", 2): 1.45, Decision("draft_model", 4): 1.62,
+             Decision("draft_model", 6): 1.55, Decision("quantized_self", 2): 1.4, Decision("quantized_self", 4): 1.58,
+             Decision("quantized_self", 6): 1.5}
+    ctrl = AdaptiveController(["draft_model", "quantized_self"], cost_model=model,
+                              settings=AdaptiveSettings(seed=11))
+    rng = random.Random(3)
+    tokens = seconds = 0.0
+    last = None
+    for _ in range(3000):
+        d = ctrl.decide(4)
+        method = d.method if d.method else None
+        per_seq = 1 + (d.gamma * 0.6 if d.method else 0)
+        step = per_seq * t_ar / truth[d] * (1 + rng.gauss(0, 0.05))
+        if method is not None and method != last:
+            step += 3 * t_ar  # catch-up on the tokens this proposer did not see
+        last = method
+        ctrl.observe(d, record(d, 4, round((per_seq - 1) * 4), step))
+        tokens += per_seq * 4
+        seconds += step
+    best = max(truth.values()) * 4 / t_ar
+    assert tokens / seconds >= 0.95 * best, (tokens / seconds / best, ctrl.stats())
