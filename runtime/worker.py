@@ -26,7 +26,21 @@ Environment (set by the operator in every pod; all optional locally except where
 `SPECRL_CONNECT_TIMEOUT`       seconds a worker keeps retrying the coordinator before it gives up (default 300)
 `SPECRL_HTTP_PORT`             coordinator HTTP port (default 8000)
 `SPECRL_RAY_HEAD_PORT`         coordinator's Ray head port (default 6379)
+`SPECRL_RAY_START_ARGS`        extra options for this pod's `ray start` (shell words; default none). A pod is a
+                               host of its own; several Ray nodes on one machine (tests) need distinct
+                               `--temp-dir`, `--dashboard-agent-listen-port`, ... per node
 =============================  ==================================================================================
+
+Ray authentication is the same on every node of the job: token authentication with the job's token
+(`SPECRL_COORDINATOR_TOKEN`, which every pod gets) as the Ray token, or explicitly disabled where there is no token.
+Ray's own default depends on the node's home directory (a `~/.ray/auth_token` left by a local `ray.init` switches
+a head to token mode, while joining nodes and drivers do not send one), so a head could refuse its own workers.
+`RAY_AUTH_MODE` set in the environment wins.
+
+Shutdown: SIGTERM ends every process a pod started, at once (Ray's own node drain on SIGTERM is off unless
+`RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S` is set; POST /drain is the job's graceful path). The coordinator stops its
+job (exit 143 when it was still running, 0 once complete), then the Ray head it runs as a child; a trainer or
+rollout pod *is* `ray start --block` (exec), whose SIGTERM handler stops its node.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -43,7 +58,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specrl.runtime.rl.settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +117,30 @@ def _ray_cli() -> str:
     return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
 
 
-def _load(config: str):
+def _extra_ray_args() -> list[str]:
+    try:
+        return shlex.split(os.environ.get("SPECRL_RAY_START_ARGS", ""))
+    except ValueError as exc:
+        raise WorkerError(f"SPECRL_RAY_START_ARGS: {exc}") from None
+
+
+def pin_ray_auth(env: dict[str, str]) -> dict[str, str]:
+    """The Ray auth settings every process of the job must share (see the module docstring); `env` unchanged.
+
+    Returns the variables to add: token mode with the job token when there is one, else auth disabled.
+    """
+    if env.get("RAY_AUTH_MODE"):
+        return {}
+    token = env.get("SPECRL_COORDINATOR_TOKEN", "")
+    if not token:
+        return {"RAY_AUTH_MODE": "disabled"}
+    out = {"RAY_AUTH_MODE": "token"}
+    if not env.get("RAY_AUTH_TOKEN") and not env.get("RAY_AUTH_TOKEN_PATH"):
+        out["RAY_AUTH_TOKEN"] = token
+    return out
+
+
+def _load(config: str) -> RunSettings:
     from specrl.runtime.api import JobValidationError, load_job
     from specrl.runtime.rl.settings import RunSettings
 
@@ -113,6 +156,12 @@ def _load(config: str):
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = args.role
+    # Before anything imports ray: the coordinator's driver and every `ray start` child read it from here.
+    os.environ.update(pin_ray_auth(dict(os.environ)))
+    # Ray drains a node on SIGTERM for up to 30 s, waiting for its leases (and for the GCS, the whole 30 s when
+    # the head went first). The job's graceful path is the coordinator's POST /drain before a pod is deleted;
+    # a pod that gets SIGTERM stops now instead of running into the kubelet's SIGKILL.
+    os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     try:
         if role == "coordinator":
             return run_coordinator(args.config)
@@ -137,52 +186,131 @@ def run_member(role: str, config: str) -> int:
 
     resources = {role_resource(role): 1, pod_resource(name): 1}
     cmd = [_ray_cli(), "start", f"--address={ray_addr}", f"--resources={json.dumps(resources)}", "--block",
-           "--disable-usage-stats"]
+           "--disable-usage-stats", *_extra_ray_args()]
     log.info("joining %s as %s (%s): %s", ray_addr, name, settings.job, " ".join(cmd))
-    return subprocess.call(cmd)
+    logging.shutdown()
+    # exec, not a child: SIGTERM must reach `ray start --block`, whose handler stops the raylet and its workers.
+    # A Python parent would die on it (or, as PID 1 in the container, ignore it) and leave the node running.
+    os.execvp(cmd[0], cmd)
+    return 1  # not reached
+
+
+class _Terminated(BaseException):
+    """SIGTERM while the job runs: unwinds `coord.run()` to the cleanup (a BaseException, so that no
+    `except Exception` on the way swallows it)."""
+
+
+def _start_head(port: int, timeout_s: float = 120.0) -> subprocess.Popen:
+    """`ray start --head --block` as a child, so that this process can stop the head it started."""
+    cmd = [_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
+           "--disable-usage-stats", f"--resources={json.dumps({'specrl_coordinator': 1})}", "--block",
+           *_extra_ray_args()]
+    log.info("starting the Ray head: %s", " ".join(cmd))
+    head = subprocess.Popen(cmd)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if head.poll() is not None:
+            raise WorkerError(f"the Ray head (ray start --head) exited with status {head.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return head  # GCS listens; ray.init waits for the head's raylet itself
+        except OSError:
+            if time.monotonic() > deadline:
+                _stop_head(head)
+                raise WorkerError(f"the Ray head did not listen on port {port} within {timeout_s:.0f}s") from None
+            time.sleep(0.5)
+
+
+def _stop_head(head: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM: `ray start --block` stops GCS, raylet and agents; SIGKILL only if it hangs (its children
+    share its fate through the kernel's parent-death signal)."""
+    if head.poll() is None:
+        head.terminate()
+        try:
+            head.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the Ray head did not stop within %.0fs; killing it", timeout_s)
+            head.kill()
+            head.wait()
 
 
 def run_coordinator(config: str) -> int:
-    """Be the Ray head, wait for the initial workers, run the job, keep serving /status until terminated."""
+    """Be the Ray head, wait for the initial workers, run the job, keep serving /status until terminated.
+
+    Exit status: 0 after a complete job (the operator marks the job Complete), 1 when it failed or the workers
+    never came, 143 when SIGTERM interrupted it (a failure the operator retries from the last checkpoint).
+    """
     settings = _load(config)
+    stop = {"flag": False, "running": False}
+
+    def on_sigterm(*_: object) -> None:
+        stop["flag"] = True
+        if stop["running"]:
+            raise _Terminated()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    port = int(os.environ.get("SPECRL_RAY_HEAD_PORT", HEAD_PORT))
+    head = _start_head(port)
+    try:
+        return _coordinate(settings, port, stop, on_sigterm)
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        _stop_head(head)
+
+
+def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigterm: Callable[..., None]) -> int:
     import ray
     from specrl.runtime.coordinator import JobCoordinator, Placement, latest_checkpoint, members_from_nodes
 
-    port = int(os.environ.get("SPECRL_RAY_HEAD_PORT", HEAD_PORT))
-    subprocess.check_call([_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=0",
-                           "--include-dashboard=false", "--disable-usage-stats",
-                           f"--resources={json.dumps({'specrl_coordinator': 1})}"])
     ray.init(address=f"127.0.0.1:{port}")
+    # ray.init installs its own SIGTERM handler (sys.exit(15)): ours must come back, or a complete job exits 15.
+    signal.signal(signal.SIGTERM, on_sigterm)
     token = os.environ.get("SPECRL_COORDINATOR_TOKEN") or None
     if token is None:
         log.warning("SPECRL_COORDINATOR_TOKEN is not set: POST /drain will refuse every request")
     coord = JobCoordinator(settings, token=token or "", placement=Placement(cluster=True), http_host="0.0.0.0",
                            http_port=int(os.environ.get("SPECRL_HTTP_PORT", HTTP_PORT)),
                            resume_from=latest_checkpoint(settings.checkpoint_dir))  # a restarted pod resumes
-    stop = {"flag": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    deadline = time.monotonic() + float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "600"))
-    while True:
-        members = members_from_nodes(ray.nodes(), settings.job)
-        trainers = [n for n, r in members if r == "trainer"]
-        rollouts = [n for n, r in members if r == "rollout"]
-        if len(trainers) >= settings.trainers and rollouts:
-            break
-        if time.monotonic() > deadline or stop["flag"]:
-            coord.set_phase_failed("workers did not join")
-            raise WorkerError(f"only {len(trainers)}/{settings.trainers} trainer(s) and {len(rollouts)} rollout "
-                              "worker(s) joined the Ray cluster in time")
-        time.sleep(2)
-    coord.start(trainers[: settings.trainers], rollouts)
     try:
-        coord.run()
-    except Exception as exc:
-        coord.set_phase_failed(f"{type(exc).__name__}: {exc}")
-        log.exception("job failed")
-        while not stop["flag"]:  # keep /status answering Failed for the operator
+        deadline = time.monotonic() + float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "600"))
+        while True:
+            members = members_from_nodes(ray.nodes(), settings.job)
+            trainers = [n for n, r in members if r == "trainer"]
+            rollouts = [n for n, r in members if r == "rollout"]
+            if len(trainers) >= settings.trainers and rollouts:
+                break
+            if time.monotonic() > deadline or stop["flag"]:
+                coord.set_phase_failed("workers did not join")
+                raise WorkerError(f"only {len(trainers)}/{settings.trainers} trainer(s) and {len(rollouts)} "
+                                  "rollout worker(s) joined the Ray cluster in time")
+            time.sleep(2)
+        stop["running"] = True
+        if stop["flag"]:  # SIGTERM between the check above and here
+            raise _Terminated()
+        try:
+            coord.start(trainers[: settings.trainers], rollouts)
+            coord.run()
+        except Exception as exc:
+            stop["running"] = False
+            coord.set_phase_failed(f"{type(exc).__name__}: {exc}")
+            log.exception("job failed")
+            while not stop["flag"]:  # keep /status answering Failed for the operator
+                time.sleep(1)
+            return 1
+        stop["running"] = False
+        log.info("job %s complete after %d step(s); serving /status until terminated", settings.job, coord.step)
+        while not stop["flag"]:  # Complete: keep answering /status until the operator tears the job down
             time.sleep(1)
-        return 1
-    while not stop["flag"]:  # Complete: keep answering /status until the operator tears the job down
-        time.sleep(1)
-    coord.shutdown()
-    return 0
+        return 0
+    except _Terminated:
+        stop["running"] = False
+        if coord.complete:  # SIGTERM landed just after the last step: the job is done all the same
+            return 0
+        log.warning("SIGTERM while the job ran (step %d): stopping", coord.step)
+        return 128 + signal.SIGTERM
+    finally:
+        stop["running"] = False
+        coord.shutdown()

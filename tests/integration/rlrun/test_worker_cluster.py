@@ -1,0 +1,323 @@
+"""The pod entrypoints as real, separate processes: `specrl worker coordinator|trainer|rollout` on localhost.
+
+Three OS processes play the three pods of a job, with the environment the operator gives them
+(runtime/worker.py): the coordinator starts a Ray head and serves HTTP, the trainer and rollout pods wait for it
+and join its Ray cluster as nodes advertising their role and pod resources, and the coordinator runs a tiny
+GRPO job on actors pinned to those nodes. Then SIGTERM must end every process each "pod" started.
+
+Each process gets its own session (start_new_session), its own HOME and its own Ray temp dir and ports, as
+separate pods would: the test only ever signals processes in those three sessions, never another Ray instance
+on the machine. The coordinator's HOME holds a `~/.ray/auth_token`, as `specrl run` leaves one behind; Ray
+alone would then put the head in token mode while the joining nodes send no token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SPECRL = [sys.executable, "-m", "specrl.runtime.cli"]
+JOB = "wcl"
+NAMESPACE = "specrl-test"
+STEPS = 2
+JOB_TIMEOUT_S = 240.0  # generous on 2 loaded cores; a healthy run takes well under a minute
+STOP_TIMEOUT_S = 45.0
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports (all sockets held open together, so no port is handed out twice)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _processes_in(sessions: set[int]) -> dict[int, str]:
+    """pid -> command line of every live (non-zombie) process in one of `sessions`."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        rest = stat.rsplit(")", 1)[1].split()
+        if rest[0] != "Z" and int(rest[3]) in sessions:
+            out[pid] = cmd or stat.split("(", 1)[1].rsplit(")", 1)[0]
+    return out
+
+
+@dataclass
+class Pod:
+    """One `specrl worker ROLE` process standing in for a pod; its session holds everything it starts."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    sid: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sid = self.proc.pid  # start_new_session: the leader's pid is the session id
+
+    def tail(self, n: int = 60) -> str:
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return f"--- {self.name} (exit {self.proc.poll()}) ---\n" + "\n".join(lines[-n:])
+
+
+def _write_job(path: Path, policy: Path, draft: Path, steps: int) -> Path:
+    path.write_text(f"""\
+apiVersion: specrl.io/v1alpha1
+kind: RLJob
+metadata: {{name: {JOB}, namespace: {NAMESPACE}}}
+spec:
+  model: {{name: "{policy}", dtype: float32}}
+  algorithm: {{name: grpo, steps: {steps}, promptsPerStep: 4, groupSize: 2, maxNewTokens: 24, learningRate: 1.0e-3,
+              seed: 0}}
+  dataset: {{type: synthetic, synthetic: {{size: 32}}}}
+  reward: {{type: exact_match}}
+  mode: sync
+  speculative:
+    method: draft_model
+    draftModel: "{draft}"
+    numSpeculativeTokens: 3
+  resources: {{gpusPerPod: 0, trainer: {{replicas: 1}}, rollout: {{replicas: 1}}}}
+  weightSync: {{backend: gloo}}
+""")
+    return path
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _post(url: str, body: dict, headers: dict[str, str] | None = None) -> int:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    # Ray puts Unix sockets under its temp dir; pytest's tmp_path is too long for the 107-byte socket path limit.
+    d = Path(tempfile.mkdtemp(prefix="srl", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclass
+class Cluster:
+    pods: list[Pod]
+    url: str
+    token: str
+
+    @property
+    def sessions(self) -> set[int]:
+        return {p.sid for p in self.pods}
+
+    def fail(self, why: str) -> None:
+        pytest.fail(f"{why}\n" + "\n".join(p.tail() for p in self.pods), pytrace=False)
+
+    def wait_status(self, done: Callable[[dict], bool], what: str) -> dict:
+        """Poll GET /status until `done(status)`; fail with every pod's output if a pod exits first."""
+        t0, status = time.monotonic(), {}
+        while time.monotonic() - t0 < JOB_TIMEOUT_S:
+            for p in self.pods:
+                if p.proc.poll() is not None:
+                    self.fail(f"{p.name} exited with {p.proc.returncode} while waiting for {what} "
+                              f"(status {status})")
+            try:
+                code, body = _get(f"{self.url}/status")
+                status = json.loads(body) if code == 200 else status
+            except (OSError, ValueError):
+                pass  # not listening yet
+            if status.get("phase") == "Failed":
+                self.fail(f"the job failed while waiting for {what}: {status}")
+            if done(status):
+                return status
+            time.sleep(1)
+        self.fail(f"no {what} after {JOB_TIMEOUT_S:.0f}s: {status}")
+        return status
+
+    def terminate(self, pods: list[Pod]) -> None:
+        """SIGTERM `pods`; each must exit within STOP_TIMEOUT_S."""
+        for p in pods:
+            p.proc.send_signal(signal.SIGTERM)
+        for p in pods:
+            try:
+                p.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.fail(f"{p.name} still running {STOP_TIMEOUT_S:.0f}s after SIGTERM")
+
+    def assert_all_gone(self, since: float, tolerate: tuple[str, ...] = ()) -> None:
+        """Every process of every pod ends within STOP_TIMEOUT_S of `since` (except command names `tolerate`)."""
+        left: dict[int, str] = {}
+        while time.monotonic() - since < STOP_TIMEOUT_S:
+            left = {pid: cmd for pid, cmd in _processes_in(self.sessions).items() if cmd not in tolerate}
+            if not left:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"processes left {STOP_TIMEOUT_S:.0f}s after SIGTERM: {left}")
+
+
+@pytest.fixture
+def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The three pods of a job of `steps` steps (indirect parameter), started together as the operator would."""
+    from specrl.runtime.paths import cache_dir
+
+    policy, draft = micro
+    job = _write_job(tmp_path / "job.yaml", policy, draft, getattr(request, "param", STEPS))
+    http_port, head_port, *node_ports = _free_ports(2 + 3 * 2)
+    token = secrets.token_urlsafe(24)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SPECRL_"))}
+    base.update({
+        "SPECRL_JOB": JOB, "SPECRL_NAMESPACE": NAMESPACE, "SPECRL_COORDINATOR_TOKEN": token,
+        "SPECRL_COORDINATOR_ADDR": f"127.0.0.1:{http_port}", "SPECRL_RAY_ADDRESS": f"127.0.0.1:{head_port}",
+        "SPECRL_HTTP_PORT": str(http_port), "SPECRL_RAY_HEAD_PORT": str(head_port),
+        "SPECRL_CONNECT_TIMEOUT": "120", "SPECRL_CACHE_DIR": str(cache_dir()),
+        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+    })
+    pods: list[Pod] = []
+    try:
+        for i, (role, worker) in enumerate([("coordinator", f"{JOB}-coordinator"), ("trainer", f"{JOB}-trainer-0"),
+                                            ("rollout", f"{JOB}-rollout-0")]):
+            home = short_tmp / f"home-{role}"
+            (home / ".ray").mkdir(parents=True)
+            if role == "coordinator":  # what a local `ray.init` leaves behind; see the module docstring
+                (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+            agent_port, extra_port = node_ports[2 * i: 2 * i + 2]
+            # One host, three Ray nodes: each needs its own temp dir (session files, sockets) and the ports
+            # Ray otherwise takes at fixed defaults (dashboard agent 52365; Ray client server 10001 on the head).
+            ray_args = [f"--temp-dir={short_tmp / f'ray-{role}'}", f"--dashboard-agent-listen-port={agent_port}"]
+            if role == "coordinator":
+                ray_args.append(f"--ray-client-server-port={extra_port}")
+            env = {**base, "HOME": str(home), "SPECRL_ROLE": role, "SPECRL_WORKER": worker,
+                   "SPECRL_WORKER_INDEX": "0", "SPECRL_RAY_START_ARGS": " ".join(ray_args)}
+            log = tmp_path / f"{role}.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen([*SPECRL, "worker", role, "--config", str(job)], cwd=tmp_path, env=env,
+                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            pods.append(Pod(role, proc, log))
+        yield Cluster(pods, f"http://127.0.0.1:{http_port}", token)
+    finally:
+        # Whatever went wrong: kill what is left in our own sessions only (never `ray stop`, which would end
+        # every Ray instance on the machine).
+        sessions = {p.sid for p in pods}
+        for p in pods:
+            if p.proc.poll() is None:
+                p.proc.kill()
+        for pid in _processes_in(sessions):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for p in pods:
+            p.proc.wait(10)
+
+
+def test_pod_entrypoints_run_a_job_as_separate_processes(cluster: Cluster):
+    url, token = cluster.url, cluster.token
+    coordinator = cluster.pods[0]
+
+    # ---- the job runs to completion on the two worker nodes
+    t0 = time.monotonic()
+    status = cluster.wait_status(lambda st: bool(st.get("complete")), "a complete job")
+    job_seconds = time.monotonic() - t0
+    assert status["phase"] == "Complete" and status["job"] == JOB
+    assert status["step"] == STEPS and status["weightVersion"] == STEPS  # two GRPO steps, two weight syncs
+    workers = {(w["name"], w["role"], w["state"]) for w in status["workers"]}
+    assert workers == {(f"{JOB}-trainer-0", "trainer", "active"), (f"{JOB}-rollout-0", "rollout", "active")}
+    assert isinstance(status["rewardMean"], float) and status["lastStep"]["trainSeconds"] > 0
+
+    # Placement(cluster=True) pinned each actor to its pod's node: the actor processes are children of
+    # that node's raylet, so they live in that pod's session and nowhere else.
+    actors = {p.name: " ".join(_processes_in({p.sid}).values()) for p in cluster.pods}
+    assert "ray::TrainerWorker" in actors["trainer"] and "ray::RolloutWorker" not in actors["trainer"], actors
+    assert "ray::RolloutWorker" in actors["rollout"] and "ray::TrainerWorker" not in actors["rollout"], actors
+    assert "ray::TrainerWorker" not in actors["coordinator"], actors  # the head offers no CPU
+    assert "ray::RolloutWorker" not in actors["coordinator"], actors
+
+    # ---- Prometheus text with the job's labels, per worker
+    code, body = _get(f"{url}/metrics")
+    text = body.decode()
+    assert code == 200
+    labels = f'job="{JOB}",namespace="{NAMESPACE}"'
+    series = [ln for ln in text.splitlines() if labels in ln and not ln.startswith("#")]
+    assert series, text[:2000]
+
+    def value(name: str, worker: str) -> float:
+        hits = [ln for ln in series if ln.startswith(name + "{") and f'worker="{worker}"' in ln]
+        assert hits, f"no {name} for {worker} in:\n" + "\n".join(series)
+        return float(hits[0].rsplit(" ", 1)[1])
+
+    assert value("specrl_rollout_generated_tokens_total", f"{JOB}-rollout-0") > 0
+    assert value("specrl_rollout_sequences_completed_total", f"{JOB}-rollout-0") == STEPS * 4 * 2
+    assert value("specrl_trainer_step", f"{JOB}-trainer-0") == STEPS
+    assert value("specrl_weight_version", f"{JOB}-coordinator") == STEPS
+
+    # ---- POST /drain needs the job's token; with it, an unknown worker is a 404 (and drains nothing)
+    target = {"worker": f"{JOB}-rollout-0"}
+    assert _post(f"{url}/drain", target) == 401
+    assert _post(f"{url}/drain", target, {"Authorization": "Bearer not-the-token"}) == 401
+    assert _post(f"{url}/drain", {"worker": f"{JOB}-rollout-9"}, {"Authorization": f"Bearer {token}"}) == 404
+
+    # ---- SIGTERM, as Kubernetes sends it to every pod of a deleted job, ends everything each pod started
+    assert len(_processes_in(cluster.sessions)) > 3  # the Ray nodes' own processes (GCS, raylets, agents, actors)
+    t_stop = time.monotonic()
+    cluster.terminate(cluster.pods)
+    cluster.assert_all_gone(t_stop)
+    assert coordinator.proc.returncode == 0  # a complete job: the operator marks the job Complete
+    print(f"job {job_seconds:.1f}s, stop {time.monotonic() - t_stop:.1f}s, exits "
+          f"{[p.proc.returncode for p in cluster.pods]}")
+
+
+@pytest.mark.parametrize("cluster", [1000], indirect=True)  # far more steps than the test waits for
+def test_sigterm_stops_a_running_coordinator(cluster: Cluster):
+    """An evicted coordinator pod stops mid-job, exits non-zero (the operator counts a failure and resumes from
+    the last checkpoint) and takes its Ray head with it; the worker pods' nodes stay until they are stopped."""
+    coordinator, *members = cluster.pods
+    cluster.wait_status(lambda st: st.get("step", 0) >= 1, "a first step")
+    t_stop = time.monotonic()
+    cluster.terminate([coordinator])
+    assert coordinator.proc.returncode == 128 + signal.SIGTERM
+    stopped = time.monotonic() - t_stop
+    assert stopped < 30, f"the coordinator took {stopped:.0f}s to stop"
+    assert not _processes_in({coordinator.sid}), "the Ray head outlived the coordinator"
+    assert all(p.proc.poll() is None for p in members)  # the operator, not the coordinator, ends worker pods
+    cluster.terminate(members)
+    # Ray itself (2.60, plain `ray start --block` too) leaves a worker node's two agents behind when the node
+    # is stopped after its head is gone: the raylet exits, the agents are orphaned and ignore SIGTERM. In a pod
+    # they end with the container; here the fixture kills them. Everything else must be gone.
+    cluster.assert_all_gone(t_stop, tolerate=("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
