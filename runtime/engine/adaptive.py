@@ -353,12 +353,14 @@ class BucketedEpsilonGreedy:
         return len(window) if window else 0
 
     def choose(self, batch: int, prior: Callable[[Decision], float] | None = None, incumbent: str | None = None,
-               switch_margin: float = 0.0) -> tuple[Decision, bool]:
+               switch_margin: float = 0.0, switch_cost: Callable[[str], float] | None = None
+               ) -> tuple[Decision, bool]:
         """(arm, explored). Unmeasured arms are scored by `prior` (the cost model), else tried first.
 
         Exploitation keeps the `incumbent` proposer (the one that ran last; None = plain decoding) unless another
-        proposer's arm is better by more than `switch_margin`: a switch makes the new proposer catch up on the
-        tokens it missed, so flapping between two near-equal proposers costs more than either.
+        proposer's arm is better by more than `switch_margin` plus `switch_cost(method)` (the catch-up a switch to
+        that proposer costs, in relative goodput over the switching horizon): a switch makes the new proposer catch
+        up on the tokens it missed, so flapping between two near-equal proposers costs more than either.
 
         Exploration is uniform over the arms still in contention: those whose median (or, unmeasured, prior)
         is within `explore_gap` of the best arm's (without a prior, also those with fewer than `min_samples`
@@ -381,7 +383,10 @@ class BucketedEpsilonGreedy:
 
         def sticky(arm: Decision) -> float:
             v = value(arm)
-            return v * (1.0 + switch_margin) if (arm.method if is_speculative(arm) else None) == incumbent else v
+            method = arm.method if is_speculative(arm) else None
+            if method == incumbent:
+                return v * (1.0 + switch_margin)
+            return v - switch_cost(method) if switch_cost is not None and method is not None else v
 
         best = max(self.arms, key=lambda a: (sticky(a), not is_speculative(a), -a.gamma))
         n = self._decisions[b] = self._decisions.get(b, 0) + 1
@@ -449,6 +454,7 @@ class AdaptiveSettings:
     epsilon: float = 0.1
     explore_run: int = 3  # exploratory steps in a row on one arm (the first, a switch, is not scored)
     switch_margin: float = 0.05  # another proposer must look this much better to switch to it
+    switch_horizon: int = 16  # steps over which a switch must repay the proposer's measured catch-up
     epsilon_decay_steps: int = 200  # per bucket: ε·sqrt(d/(d+n)) after n decisions, floored at ε/4 (0 = constant)
     window: int = 100
     ewma_decay: float = 0.9
@@ -613,6 +619,8 @@ class AdaptiveController:
                                             window=s.window, seed=s.seed, decay_steps=s.epsilon_decay_steps)
         self._burst: tuple[Decision, int, int] | None = None  # (arm, bucket, steps left) of an exploration burst
         self._last_method: str | None = None  # proposer of the previous step (None: plain decoding)
+        # per proposer: recent switch steps' cost beyond a steady step, in plain-decode steps
+        self._switch_costs: dict[str, deque[float]] = {}
         self._prior_cache: dict[int, tuple[int, dict[Decision, float]]] = {}
         self._clock = StepClock(s.clock)
         self._bucket_labels = [self.bandit.bucket_label(i) for i in range(len(self.bandit.thresholds))]
@@ -675,7 +683,8 @@ class AdaptiveController:
             priors = self._priors(active_batch_size) if self.cost_model is not None else None
             decision, explored = self.bandit.choose(active_batch_size,
                                                     priors.__getitem__ if priors is not None else None,
-                                                    incumbent=self._last_method, switch_margin=s.switch_margin)
+                                                    incumbent=self._last_method, switch_margin=s.switch_margin,
+                                                    switch_cost=self._switch_penalty)
             self._burst = (decision, self.bandit.bucket(active_batch_size), s.explore_run - 1) \
                 if explored and s.explore_run > 1 else None
         self.current = decision
@@ -698,12 +707,25 @@ class AdaptiveController:
             self.ar_cost.add(batch, seconds)
         method = decision.method if is_speculative(decision) else None
         switched, self._last_method = method is not None and method != self._last_method, method
-        if switched:
-            return  # this step paid the proposer's catch-up on tokens it missed: a switching cost, not the arm's
-        tokens_per_s = max(record.emitted_tokens, 0) / seconds
         t_ar = self.ar_cost.seconds(batch)
+        if switched:
+            # This step paid the proposer's catch-up on tokens it missed: a switching cost, not the arm's. What it
+            # cost beyond a steady step of the arm is remembered to weigh the next switch to this proposer.
+            if t_ar is not None:
+                steady = self.bandit.score(self.bandit.bucket(batch), decision) or self.predicted(decision, batch)
+                per_seq = max(record.emitted_tokens, 0) / batch
+                baseline = per_seq / steady if steady > 0 else 1.0
+                costs = self._switch_costs.setdefault(method, deque(maxlen=32))  # type: ignore[arg-type]
+                costs.append(max(seconds / t_ar - baseline, 0.0))
+            return
+        tokens_per_s = max(record.emitted_tokens, 0) / seconds
         reward = tokens_per_s * t_ar / batch if t_ar is not None else tokens_per_s
         self.bandit.update(batch, decision, reward)
+
+    def _switch_penalty(self, method: str) -> float:
+        """Relative goodput a switch to `method` must gain per step to repay its catch-up within the horizon."""
+        costs = self._switch_costs.get(method)
+        return statistics.median(costs) / self.settings.switch_horizon if costs else 0.0
 
     # -- visibility -----------------------------------------------------------------------------------------
 

@@ -438,3 +438,28 @@ def test_controller_with_switching_costs_stays_near_the_best_proposer() -> None:
         seconds += step
     best = max(truth.values()) * 4 / t_ar
     assert tokens / seconds >= 0.95 * best, (tokens / seconds / best, ctrl.stats())
+
+
+def test_measured_catch_up_cost_weighs_the_next_switch() -> None:
+    model = memory_bound_model()
+    model.draft_step["quantized_self"] = dict(model.draft_step["draft_model"])
+    d, q = Decision("draft_model", 4), Decision("quantized_self", 4)
+    ctrl = AdaptiveController(["draft_model", "quantized_self"], cost_model=model,
+                              settings=AdaptiveSettings(epsilon=0.0, switch_horizon=16, switch_margin=0.0,
+                                                        draft_length=False, gamma=4))
+    t = model.t_ar(1)
+    # steady state: quantized_self a little better than draft_model (1.7 vs 1.6 relative goodput)
+    for arm, rel in ((q, 1.7), (d, 1.6)):
+        for _ in range(10):
+            ctrl.observe(arm, record(arm, 1, 3, 4 * t / rel))
+    assert ctrl.decide(1) == q  # no catch-up measured yet: the better proposer wins
+    # Switches to quantized_self that cost 8 plain steps of catch-up: 8/16 = 0.5 of relative goodput per step.
+    for _ in range(3):
+        ctrl.observe(q, record(q, 1, 3, 4 * t / 1.7 + 8 * t))
+        ctrl.observe(d, record(d, 1, 3, 4 * t / 1.6))
+    # (in units of the fitted plain step at batch 1, a few percent off the calibrated point)
+    assert ctrl._switch_penalty("quantized_self") == pytest.approx(0.5, rel=0.1)
+    ctrl.observe(d, record(d, 1, 3, 4 * t / 1.6))  # back on draft_model (its own switch step, cheap)
+    for _ in range(5):
+        ctrl.observe(d, record(d, 1, 3, 4 * t / 1.6))
+    assert ctrl.decide(1) == d  # 0.1 better does not repay 0.5 per step
