@@ -131,6 +131,9 @@ def micro_job(path: Path, steps: int) -> Path:
     job["metadata"] = {"name": "chart-e2e", "namespace": "localhost"}
     job["spec"]["model"]["name"] = str(policy)
     job["spec"]["speculative"]["draftModel"] = str(draft)
+    # Fixed speculation: the adaptive controller may rightly keep the micro models on plain decoding for a whole
+    # short run, and the acceptance panels need drafts to show anything.
+    job["spec"]["speculative"]["adaptive"] = {"toggle": False, "draftLength": False, "strategy": False}
     job["spec"]["algorithm"].update(steps=steps, promptsPerStep=8, groupSize=2, maxNewTokens=32, evalEvery=2)
     job["spec"]["dataset"]["synthetic"]["size"] = 128
     path.write_text(yaml.safe_dump(job))
