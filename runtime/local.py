@@ -372,7 +372,7 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None)
                 color="tab:green", marker="D", label="greedy eval (problems it trains on), before/after")
     ax.set_xlabel("RL step")
     ax.set_ylim(-0.05, 1.05)
-    ax.legend()
+    ax.legend(loc="upper left", fontsize="small")  # accuracies of a small policy stay in the lower half
     ax.set_title("Reward and accuracy per step")
     paths.append(_save(fig, out_dir / "reward_accuracy.png"))
 
