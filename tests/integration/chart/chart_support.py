@@ -402,14 +402,14 @@ def start_operator(kubeconfig: Path, log: Path, *extra: str) -> OperatorProc:
     raise AssertionError(f"specrl operator not live on {op.health_url} within 60 s:\n{op.output()}")
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[Any], timeout: float = 15) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait(timeout=15)
+            proc.wait(timeout=timeout)
 
 
 

@@ -178,12 +178,7 @@ def test_every_panel_returns_data(kube, tmp_path: Path) -> None:
             results, alerts = observe(prom, run_proc, tail, after_exit=6.0)
             metadata = prom.api("metadata")
         finally:
-            if run_proc.poll() is None:
-                run_proc.terminate()
-                try:
-                    run_proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    run_proc.kill()
+            stop(run_proc, timeout=30)
             if op is not None:
                 stop(op.proc)
 
