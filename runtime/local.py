@@ -204,12 +204,9 @@ def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
-def acceptance_length(stats: dict) -> float | None:
-    drafts = stats.get("drafts", 0)
-    return 1.0 + stats.get("accepted_tokens", 0) / drafts if drafts else None
-
-
 def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall: float) -> dict[str, Any]:
+    from specrl.runtime.coordinator import acceptance_length
+
     acc_last = next((r["acceptance_length"] for r in reversed(records) if r["acceptance_length"] is not None), None)
     rollout_s = sum(r["rollout_seconds"] for r in records)
     tokens = sum(r["tokens"] for r in records)

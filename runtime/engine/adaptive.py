@@ -297,7 +297,7 @@ def bucket_of(batch: int, thresholds: Sequence[int]) -> int:
     """Index of the bucket holding `batch`: the last threshold <= batch (thresholds ascending, first = 1)."""
     if batch < 1:
         raise ValueError(f"active batch size must be >= 1, got {batch}")
-    return max(bisect.bisect_right(list(thresholds), batch) - 1, 0)
+    return max(bisect.bisect_right(thresholds, batch) - 1, 0)  # no copy: called every decode step
 
 
 class BucketedEpsilonGreedy:
@@ -335,9 +335,7 @@ class BucketedEpsilonGreedy:
         self._exact_medians: dict[tuple[int, Decision], float] = {}
 
     def bucket(self, batch: int) -> int:
-        if batch < 1:
-            raise ValueError(f"active batch size must be >= 1, got {batch}")
-        return max(bisect.bisect_right(self.thresholds, batch) - 1, 0)
+        return bucket_of(batch, self.thresholds)
 
     def bucket_label(self, index: int) -> str:
         lo = self.thresholds[index]
