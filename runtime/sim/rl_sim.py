@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specrl.operator import rebalance
+from specrl.runtime.scheduling import is_long_tail
 from specrl.runtime.sim.cost_model import CostModel
 from specrl.runtime.sim.rollout_sim import RolloutPhase, simulate_rollout
 from specrl.runtime.sim.scenario import Scenario
@@ -82,7 +83,7 @@ def _signals(phase: RolloutPhase, t: float, backlog: int, in_rollout: bool, long
              last: StepRecord | None) -> rebalance.Signals:
     """What the coordinator's GET /status would say at time t of this step."""
     queue, active = phase.status_at(t) if in_rollout else (0, 0)
-    long_tail = in_rollout and queue == 0 and active <= long_tail_fraction * phase.sequences
+    long_tail = in_rollout and is_long_tail(queue, active, phase.sequences, long_tail_fraction)
     timing = (rebalance.StepTiming(last.rollout_seconds, last.long_tail_seconds, last.train_seconds)
               if last is not None else None)
     return rebalance.Signals(queue_depth=queue, active_sequences=active, step_batch_size=phase.sequences,
