@@ -11,6 +11,7 @@ is exported under the new reason only (never a stale series under the old one).
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -99,9 +100,8 @@ class _JobState(Collector):
     """Every per-job family, rendered from the job entries at scrape time."""
 
     def collect(self) -> Iterator[Metric]:
-        with _lock:
-            jobs = {key: _Job(e.phase, dict(e.replicas), dict(e.gpus), dict(e.conditions), dict(e.rebalances),
-                              e.coordinator_errors) for key, e in _jobs.items()}
+        with _lock:  # a snapshot, rendered without holding the lock
+            jobs = copy.deepcopy(_jobs)
         phases = GaugeMetricFamily("specrl_operator_jobs", "RLJobs served by this operator, by phase.",
                                    labels=["phase"])
         replicas = GaugeMetricFamily("specrl_operator_allocation_replicas",
