@@ -28,6 +28,7 @@ KIND = "RLJob"
 CONFIG_MOUNT = "/etc/specrl"
 CONFIG_FILE = f"{CONFIG_MOUNT}/job.yaml"
 CACHE_MOUNT = "/var/cache/specrl"
+HF_HOME = f"{CACHE_MOUNT}/huggingface"
 HTTP_PORT = 8000
 RAY_PORT = 6379
 METRICS_PORT = 9090
@@ -287,8 +288,8 @@ def _env(owner: Owner, role: str, index: int) -> list[dict[str, Any]]:
 
 
 def _pod_template(job: Any, role: str) -> dict[str, Any]:
-    """The spec's pod template overrides (camelCase dict), shared by every role."""
-    return dict(_plain(job.spec.resources.pod_template))
+    """The role's pod template (camelCase dict): its override merged over the common template."""
+    return dict(_plain(job.spec.resources.pod_template_for(role)))
 
 
 def _resources(template: Mapping[str, Any], role: str, gpus: int) -> dict[str, Any]:
@@ -314,12 +315,16 @@ def pod(job: Any, owner: Owner, role: str, index: int, config_digest: str | None
     template = _pod_template(job, role)
     env = _env(owner, role, index)
     reserved = {e["name"] for e in env}
-    # User env may add variables but never override the contract with the runtime.
-    env += [{"name": e["name"], "value": e.get("value", "")} for e in template.get("env") or []
-            if e.get("name") not in reserved]
+    user_env = template.get("env") or []
+    # Hub downloads land in the model cache too, so a pod moved to another role (or recreated) on a shared
+    # cache volume does not fetch the model again; a user's HF_HOME wins.
+    if not any(e.get("name") == "HF_HOME" for e in user_env):
+        env.append({"name": "HF_HOME", "value": HF_HOME})
+    # User env (literal values and valueFrom alike) may add variables but never override the contract.
+    env += [copy.deepcopy(e) for e in user_env if e.get("name") not in reserved]
     meta = _meta(owner, name, role, job)
-    meta["labels"] = {**template.get("labels", {}), **meta["labels"], LABEL_INDEX: str(index)}
-    meta["annotations"] = {**template.get("annotations", {}), ANNOTATION_CONFIG_HASH: config_digest or config_hash(job, owner)}
+    meta["labels"] = {**(template.get("labels") or {}), **meta["labels"], LABEL_INDEX: str(index)}
+    meta["annotations"] = {**(template.get("annotations") or {}), ANNOTATION_CONFIG_HASH: config_digest or config_hash(job, owner)}
     ports = [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}]
     if role == "coordinator":
         ports = [
@@ -342,6 +347,13 @@ def pod(job: Any, owner: Owner, role: str, index: int, config_digest: str | None
             {"name": "dshm", "mountPath": "/dev/shm"},
         ],
     }
+    user_mounts = [copy.deepcopy(m) for m in template.get("volumeMounts") or []]
+    shared_cache = any(m["mountPath"].rstrip("/") == CACHE_MOUNT for m in user_mounts)
+    if shared_cache:  # the user's volume (a PVC, typically) is the model cache: no emptyDir of our own
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "cache"]
+    container["volumeMounts"] += user_mounts
+    if template.get("envFrom"):
+        container["envFrom"] = copy.deepcopy(template["envFrom"])
     if role == "coordinator":
         container["readinessProbe"] = {
             "httpGet": {"path": "/healthz", "port": HTTP_PORT},
@@ -364,6 +376,9 @@ def pod(job: Any, owner: Owner, role: str, index: int, config_digest: str | None
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         ],
     }
+    if shared_cache:
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "cache"]
+    spec["volumes"] += copy.deepcopy(template.get("volumes") or [])
     if template.get("imagePullPolicy"):
         container["imagePullPolicy"] = template["imagePullPolicy"]
     if template.get("serviceAccountName"):
@@ -374,6 +389,10 @@ def pod(job: Any, owner: Owner, role: str, index: int, config_digest: str | None
         spec["nodeSelector"] = dict(template["nodeSelector"])
     if template.get("tolerations"):
         spec["tolerations"] = [dict(t) for t in template["tolerations"]]
+    # Kubernetes structures the spec passes through verbatim (validated by runtime/podspec.py).
+    for key in ("affinity", "topologySpreadConstraints", "imagePullSecrets", "schedulerName", "runtimeClassName"):
+        if template.get(key):
+            spec[key] = copy.deepcopy(template[key])
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 

@@ -27,9 +27,22 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
-from pydantic_core import PydanticCustomError
+from specrl.runtime.api_base import (  # noqa: F401 - re-exported: api.QUANTITY, api.MAX_REF, ... are public
+    DNS1123_LABEL,
+    ENV_NAME,
+    MAX_ITEMS,
+    MAX_PATH,
+    MAX_REF,
+    MAX_VALUE,
+    QUANTITY,
+    Quantity,
+    _cel,
+    _raise,
+    _Strict,
+)
+from specrl.runtime.podspec import PodTemplate, merge_templates, mount_problems
 
 GROUP = "specrl.io"
 VERSION = "v1alpha1"
@@ -53,62 +66,8 @@ CONDITION_TYPES = ("Ready", "Rebalancing", "Suspended", "Complete", "Failed", "D
 # Child objects are named "<job>-coordinator", "<job>-rollout-<i>", ...; Services need DNS-1035 labels
 # (<= 63 chars, starting with a letter), so the job name leaves room for the longest suffix.
 MAX_NAME_LENGTH = 45
-DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 IMPORT_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
-QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[mkMGTPE]|n|u)?$")
-ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-# Bounds on strings, lists and maps: the API server refuses CRDs whose CEL rules have an unbounded estimated cost.
-MAX_REF, MAX_PATH, MAX_VALUE, MAX_ITEMS = 256, 4096, 32768, 64
-
-
-# --------------------------------------------------------------------------------------------------------
-# Base model and rule plumbing
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        strict=True,
-        validate_default=False,
-        use_attribute_docstrings=False,
-    )
-
-
-# CEL rules attached to a model's schema; crd.py copies them into x-kubernetes-validations.
-def _cel(*rules: tuple[str, str, str | None]) -> dict[str, Any]:
-    out = []
-    for rule, message, field_path in rules:
-        entry: dict[str, Any] = {"rule": rule, "message": message}
-        if field_path:
-            entry["fieldPath"] = field_path
-        out.append(entry)
-    return {"x-kubernetes-validations": out}
-
-
-def _raise(problems: list[tuple[str, str]]) -> None:
-    """Raise one pydantic error carrying every (relative camelCase field path, message) of a model."""
-    if problems:
-        summary = "; ".join(f"{field}: {message}" for field, message in problems)
-        raise PydanticCustomError("rljob_rule", "{summary}", {"summary": summary, "problems": problems})
-
-
-def _quantity(value: Any) -> Any:
-    # Kubernetes accepts `cpu: 2` and `cpu: "2"` alike (int-or-string); keep the string form.
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return str(value)
-    return value
-
-
-Quantity = Annotated[
-    str,
-    BeforeValidator(_quantity),
-    Field(pattern=QUANTITY.pattern, json_schema_extra={"x-kubernetes-int-or-string": True}),
-]
 
 
 def _model_name_problems(name: str, field: str) -> list[tuple[str, str]]:
@@ -385,6 +344,9 @@ class RoleSpec(_Strict):
     min_replicas: int = Field(default=1, ge=1, le=4096, description="Fewest pods elastic rebalancing may leave.")
     max_replicas: int | None = Field(default=None, ge=1, le=4096, description=(
         "Most pods elastic rebalancing may create; null = as many as the GPU budget allows."))
+    pod_template: PodTemplate | None = Field(default=None, description=(
+        "Override of spec.resources.podTemplate for this role's pods: placement and sizing fields replace the "
+        "common ones, env, envFrom, volumes, volumeMounts, imagePullSecrets, labels and annotations merge by key."))
 
     @model_validator(mode="after")
     def _check(self) -> RoleSpec:
@@ -397,73 +359,12 @@ class RoleSpec(_Strict):
         return self
 
 
-class Toleration(_Strict):
-    """A Kubernetes toleration."""
+class CoordinatorSpec(_Strict):
+    """The coordinator pod (one, CPU only: the Ray head, the queue and the HTTP API)."""
 
-    key: str | None = Field(default=None, description="Taint key (empty with operator Exists: all taints).")
-    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: str | None = Field(default=None, description="Taint value (operator Equal).")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(default=None, description=(
-        "Taint effect to match; null = all effects."))
-    toleration_seconds: int | None = Field(default=None, ge=0, description="For NoExecute: seconds to stay bound.")
-
-
-class ResourceRequirements(_Strict):
-    """Container resource requests and limits (quantities such as "4", "16Gi", "500m")."""
-
-    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Requests per resource name.")
-    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Limits per resource name.")
-
-
-class EnvVar(_Strict):
-    """An environment variable for every container of the job."""
-
-    model_config = ConfigDict(json_schema_extra=_cel(
-        ("!self.name.startsWith('SPECRL_')", "SPECRL_* variables are set by the operator", ".name"),
-    ))
-
-    name: str = Field(pattern=ENV_NAME.pattern, min_length=1, max_length=MAX_REF, description="Variable name.")
-    value: str = Field(default="", max_length=MAX_VALUE, description="Variable value.")
-
-
-class PodTemplate(_Strict):
-    """Overrides applied to every pod of the job (coordinator, trainers, rollout workers)."""
-
-    model_config = ConfigDict(json_schema_extra=_cel(
-        ("!has(self.resources.requests) || !('nvidia.com/gpu' in self.resources.requests)",
-         "set spec.resources.gpusPerPod instead of nvidia.com/gpu", ".resources.requests"),
-        ("!has(self.resources.limits) || !('nvidia.com/gpu' in self.resources.limits)",
-         "set spec.resources.gpusPerPod instead of nvidia.com/gpu", ".resources.limits"),
-    ))
-
-    node_selector: dict[str, str] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Node selector.")
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=MAX_ITEMS, description="Tolerations.")
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements, description=(
-        "Extra requests/limits (GPUs come from gpusPerPod; do not set nvidia.com/gpu here)."))
-    env: list[EnvVar] = Field(default_factory=list, max_length=MAX_ITEMS, description="Extra environment variables (unique names).",
-                              json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
-    service_account_name: str | None = Field(default=None, description="Service account of the pods.")
-    priority_class_name: str | None = Field(default=None, description="Priority class of the pods.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None, description=(
-        "Image pull policy; null = the Kubernetes default."))
-
-    @model_validator(mode="after")
-    def _check(self) -> PodTemplate:
-        problems = []
-        for kind in ("requests", "limits"):
-            if "nvidia.com/gpu" in getattr(self.resources, kind):
-                problems.append((f"resources.{kind}.nvidia.com/gpu", "set spec.resources.gpusPerPod instead"))
-        seen: set[str] = set()
-        for i, var in enumerate(self.env):
-            if var.name in seen:
-                problems.append((f"env[{i}].name", f"duplicate variable {var.name!r}"))
-            if var.name.startswith("SPECRL_"):
-                problems.append((f"env[{i}].name", "SPECRL_* variables are set by the operator"))
-            seen.add(var.name)
-        _raise(problems)
-        return self
+    pod_template: PodTemplate | None = Field(default=None, description=(
+        "Override of spec.resources.podTemplate for the coordinator (e.g. nodeSelector: {} and small requests, "
+        "so it does not inherit GPU-node placement)."))
 
 
 class ResourcesSpec(_Strict):
@@ -483,7 +384,9 @@ class ResourcesSpec(_Strict):
         "GPU budget of the job shared by both roles; null = (trainer.replicas + rollout.replicas) x gpusPerPod."))
     trainer: RoleSpec = Field(default_factory=RoleSpec, description="Trainer pods (GRPO updates, weight-sync source).")
     rollout: RoleSpec = Field(default_factory=RoleSpec, description="Rollout pods (speculative generation, rewards).")
-    pod_template: PodTemplate = Field(default_factory=PodTemplate, description="Overrides for every pod.")
+    coordinator: CoordinatorSpec = Field(default_factory=CoordinatorSpec, description="The coordinator pod.")
+    pod_template: PodTemplate = Field(default_factory=PodTemplate, description=(
+        "Kubernetes pod fields for every pod of the job (volumes, env, scheduling); roles may override them."))
 
     @model_validator(mode="after")
     def _check(self) -> ResourcesSpec:
@@ -497,8 +400,22 @@ class ResourcesSpec(_Strict):
             elif floor > self.total_gpus:
                 problems.append(("totalGPUs", (f"minReplicas of both roles x gpusPerPod = {floor} GPUs exceeds "
                                  f"totalGPUs {self.total_gpus}")))
+        overrides = self.role_overrides()
+        volumes = {role: {v.name for v in self.pod_template_for(role).volumes or []} for role in overrides}
+        problems += mount_problems(self.pod_template.volume_mounts, volumes, "podTemplate.")
+        for role, override in overrides.items():
+            if override is not None:
+                problems += mount_problems(override.volume_mounts, {role: volumes[role]}, f"{role}.podTemplate.")
         _raise(problems)
         return self
+
+    def role_overrides(self) -> dict[str, PodTemplate | None]:
+        return {"coordinator": self.coordinator.pod_template, "trainer": self.trainer.pod_template,
+                "rollout": self.rollout.pod_template}
+
+    def pod_template_for(self, role: str) -> PodTemplate:
+        """The pod template of `role` (coordinator, trainer, rollout): its override merged over the common one."""
+        return merge_templates(self.pod_template, self.role_overrides()[role])
 
     def budget_pods(self) -> int:
         """Pods of both roles together that fit in the budget (CPU jobs: the initial pod count)."""

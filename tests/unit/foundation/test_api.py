@@ -28,6 +28,10 @@ def _doc(spec: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
     return doc
 
 
+def _pt(template: dict[str, Any]) -> dict[str, Any]:
+    return _doc({"resources": {"podTemplate": template}})
+
+
 # (id, document, expected pydantic path, message fragment, CRD path: SAME | str | None)
 CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
     # --- metadata and identity
@@ -152,6 +156,70 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
      "spec.resources.podTemplate.env[1].name", "duplicate", SAME),
     ("env-reserved", _doc({"resources": {"podTemplate": {"env": [{"name": "SPECRL_JOB", "value": "x"}]}}}),
      "spec.resources.podTemplate.env[0].name", "set by the operator", SAME),
+    # --- Kubernetes pod fields (runtime/podspec.py), common template and per-role overrides
+    ("volume-two-sources", _pt({"volumes": [{"name": "d", "emptyDir": {}, "persistentVolumeClaim": {"claimName": "c"}}]}),
+     "spec.resources.podTemplate.volumes[0]", "exactly one of persistentVolumeClaim", SAME),
+    ("volume-no-source", _pt({"volumes": [{"name": "d"}]}),
+     "spec.resources.podTemplate.volumes[0]", "exactly one of persistentVolumeClaim", SAME),
+    ("volume-name", _pt({"volumes": [{"name": "Data", "emptyDir": {}}]}),
+     "spec.resources.podTemplate.volumes[0].name", "should match pattern", SAME),
+    ("volume-host-path", _pt({"volumes": [{"name": "n", "hostPath": {"path": "/mnt"}}]}),
+     "spec.resources.podTemplate.volumes[0].hostPath", "refused unless allowHostPath", "spec.resources.podTemplate.volumes"),
+    ("volume-reserved", _pt({"volumes": [{"name": "config", "emptyDir": {}}]}),
+     "spec.resources.podTemplate.volumes[0].name", "reserved for the operator", "spec.resources.podTemplate.volumes"),
+    ("volume-duplicate", _pt({"volumes": [{"name": "a", "emptyDir": {}}, {"name": "a", "emptyDir": {}}]}),
+     "spec.resources.podTemplate.volumes[1].name", "duplicate volume", None),
+    ("pvc-claim-missing", _pt({"volumes": [{"name": "a", "persistentVolumeClaim": {}}]}),
+     "spec.resources.podTemplate.volumes[0].persistentVolumeClaim.claimName", "required",
+     "spec.resources.podTemplate.volumes[0].persistentVolumeClaim"),
+    ("mount-unknown-volume", _pt({"volumeMounts": [{"name": "data", "mountPath": "/data"}]}),
+     "spec.resources.podTemplate.volumeMounts[0].name", "no volume named 'data' in the coordinator pods", None),
+    ("mount-unknown-in-role", _doc({"resources": {"podTemplate": {"volumes": [{"name": "a", "emptyDir": {}}]},
+                                                 "trainer": {"podTemplate": {"volumeMounts": [
+                                                     {"name": "b", "mountPath": "/b"}]}}}}),
+     "spec.resources.trainer.podTemplate.volumeMounts[0].name", "no volume named 'b' in the trainer pods", None),
+    ("mount-role-volume", _doc({"resources": {"podTemplate": {"volumeMounts": [{"name": "a", "mountPath": "/a"}]},
+                                             "coordinator": {"podTemplate": {"volumes": [{"name": "a", "emptyDir": {}}]}},
+                                             "trainer": {"podTemplate": {"volumes": [{"name": "a", "emptyDir": {}}]}}}}),
+     "spec.resources.podTemplate.volumeMounts[0].name", "in the rollout pods", None),
+    ("mount-relative", _pt({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "data"}]}),
+     "spec.resources.podTemplate.volumeMounts[0].mountPath", "should match pattern", SAME),
+    ("mount-reserved-path", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
+                                 "volumeMounts": [{"name": "a", "mountPath": "/etc/specrl"}]}),
+     "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
+     "spec.resources.podTemplate.volumeMounts"),
+    ("mount-duplicate-path", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
+                                  "volumeMounts": [{"name": "a", "mountPath": "/a"}, {"name": "a", "mountPath": "/a/"}]}),
+     "spec.resources.podTemplate.volumeMounts[1].mountPath", "duplicate mountPath", None),
+    ("env-value-and-from", _pt({"env": [{"name": "T", "value": "x", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
+     "spec.resources.podTemplate.env[0].valueFrom", "mutually exclusive", SAME),
+    ("env-from-two-sources", _pt({"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"},
+                                                                      "fieldRef": {"fieldPath": "spec.nodeName"}}}]}),
+     "spec.resources.podTemplate.env[0].valueFrom", "exactly one of secretKeyRef", SAME),
+    ("env-secret-key-missing", _pt({"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "s"}}}]}),
+     "spec.resources.podTemplate.env[0].valueFrom.secretKeyRef.key", "required",
+     "spec.resources.podTemplate.env[0].valueFrom.secretKeyRef"),
+    ("envfrom-no-source", _pt({"envFrom": [{"prefix": "A_"}]}),
+     "spec.resources.podTemplate.envFrom[0]", "exactly one of configMapRef, secretRef", SAME),
+    ("affinity-operator", _pt({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [{"key": "k", "operator": "Is"}]}]}}}}),
+     ("spec.resources.podTemplate.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+     ".nodeSelectorTerms[0].matchExpressions[0].operator"), "must be one of", SAME),
+    ("affinity-weight", _pt({"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 500, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}]}}}),
+     "spec.resources.podTemplate.affinity.podAntiAffinity.preferredDuringSchedulingIgnoredDuringExecution[0].weight",
+     "<= 100", SAME),
+    ("spread-unsatisfiable", _pt({"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}),
+     "spec.resources.podTemplate.topologySpreadConstraints[0].whenUnsatisfiable", "required",
+     "spec.resources.podTemplate.topologySpreadConstraints[0]"),
+    ("pull-secret-name", _pt({"imagePullSecrets": [{"name": ""}]}),
+     "spec.resources.podTemplate.imagePullSecrets[0].name", "at least 1", SAME),
+    ("scheduler-type", _pt({"schedulerName": 3}), "spec.resources.podTemplate.schedulerName", "valid string", SAME),
+    ("role-gpu", _doc({"resources": {"coordinator": {"podTemplate": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}}}),
+     "spec.resources.coordinator.podTemplate.resources.limits.nvidia.com/gpu", "gpusPerPod",
+     "spec.resources.coordinator.podTemplate.resources.limits"),
+    ("role-env-reserved", _doc({"resources": {"rollout": {"podTemplate": {"env": [{"name": "SPECRL_ROLE"}]}}}}),
+     "spec.resources.rollout.podTemplate.env[0].name", "set by the operator", SAME),
     ("gpu-budget", _doc({"resources": {"gpusPerPod": 2, "totalGPUs": 6, "trainer": {"replicas": 2},
                                        "rollout": {"replicas": 2}}}),
      "spec.resources.totalGPUs", "exceeds totalGPUs 6", SAME),
@@ -205,7 +273,9 @@ def test_every_cross_field_rule_has_a_case() -> None:
                    "only used when type is jsonl", "<= maxDraftTokens", "must not repeat", "not used by method",
                    "within adaptive.minDraftTokens", "must be <= replicas", "must be >= replicas", "gpusPerPod",
                    "duplicate", "set by the operator", "exceeds totalGPUs", "< queueHighWatermark",
-                   "async mode needs maxStaleness", "nccl needs GPUs", "only used when"):
+                   "async mode needs maxStaleness", "nccl needs GPUs", "only used when", "exactly one of",
+                   "refused unless allowHostPath", "reserved for the operator", "no volume named",
+                   "overlaps the operator's mounts", "duplicate mountPath", "duplicate volume", "mutually exclusive"):
         assert phrase in covered, phrase
 
 
@@ -309,6 +379,10 @@ _specs = st.fixed_dictionaries({}, optional={
                                                       "maxReplicas": st.integers(1, 5)}),
         "podTemplate": st.fixed_dictionaries({}, optional={
             "env": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["A", "B", "SPECRL_X"])}), max_size=3),
+            "volumes": st.lists(st.sampled_from([{"name": "a", "emptyDir": {}}, {"name": "h", "hostPath": {"path": "/x"}},
+                                                 {"name": "b"}, {"name": "config", "emptyDir": {}}]),
+                                max_size=2, unique_by=lambda v: v["name"]),
+            "allowHostPath": st.booleans(),
             "resources": st.fixed_dictionaries({}, optional={
                 "limits": st.dictionaries(st.sampled_from(["cpu", "nvidia.com/gpu"]), st.sampled_from([1, "2"]),
                                           max_size=2)}),

@@ -208,3 +208,134 @@ def test_property_plan_indexes(replicas, existing):
 
 def test_next_free_index():
     assert children.next_free_index([0, 1, 3]) == 2 and children.next_free_index([]) == 0
+
+
+# ---- pods a real job can use: volumes, secrets in env, scheduling, per-role overrides --------------------
+
+REAL = {
+    "podTemplate": {
+        "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "resources": {"requests": {"cpu": "8", "memory": "96Gi"}},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}]}]}},
+            "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 50, "podAffinityTerm": {
+                "labelSelector": {"matchLabels": {"specrl.io/job": "demo"}}, "topologyKey": "kubernetes.io/hostname"}}]}},
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": {"specrl.io/job": "demo"}}}],
+        "schedulerName": "volcano",
+        "runtimeClassName": "nvidia",
+        "imagePullSecrets": [{"name": "registry"}],
+        "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+                {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                {"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}}}],
+        "envFrom": [{"secretRef": {"name": "wandb"}}, {"prefix": "APP_", "configMapRef": {"name": "settings"}}],
+        "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "math-data", "readOnly": True}},
+                    {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ckpt"}},
+                    {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}},
+                    {"name": "scratch", "emptyDir": {"sizeLimit": "50Gi"}},
+                    {"name": "extra", "configMap": {"name": "settings", "items": [{"key": "a", "path": "a.txt"}]}},
+                    {"name": "creds", "secret": {"secretName": "creds", "defaultMode": 256}},
+                    {"name": "lustre", "csi": {"driver": "fsx.csi.aws.com", "volumeAttributes": {"x": "y"}}}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True},
+                         {"name": "checkpoints", "mountPath": "/checkpoints"},
+                         {"name": "model-cache", "mountPath": "/var/cache/specrl"},
+                         {"name": "scratch", "mountPath": "/scratch"}],
+    },
+    # The CPU-only coordinator: no GPU-node placement, small requests, no scratch disk.
+    "coordinator": {"podTemplate": {"nodeSelector": {}, "tolerations": [], "affinity": {},
+                                    "resources": {"requests": {"cpu": "2", "memory": "8Gi"}}}},
+    "trainer": {"replicas": 2, "minReplicas": 1, "podTemplate": {
+        "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+        "volumes": [{"name": "scratch", "emptyDir": {"medium": "Memory"}}]}},
+    "rollout": {"replicas": 3, "minReplicas": 1, "podTemplate": {"schedulerName": "default-scheduler"}},
+}
+
+
+def real_job() -> RLJob:
+    doc = copy.deepcopy(BASE)
+    doc["spec"]["resources"] = {**doc["spec"]["resources"], **copy.deepcopy(REAL)}
+    return parse_job(doc).resolved()
+
+
+def _container(pod):
+    return pod["spec"]["containers"][0]
+
+
+def test_pass_through_fields_reach_every_pod_verbatim():
+    d, objs = all_objects(real_job())
+    tpl = REAL["podTemplate"]
+    for name in ("demo-trainer-0", "demo-rollout-1"):
+        spec = d.pods[name]["spec"]
+        assert spec["affinity"] == tpl["affinity"] and spec["topologySpreadConstraints"] == tpl["topologySpreadConstraints"]
+        assert spec["runtimeClassName"] == "nvidia" and spec["imagePullSecrets"] == [{"name": "registry"}]
+        assert spec["nodeSelector"] == tpl["nodeSelector"] and spec["tolerations"] == tpl["tolerations"]
+        env = {e["name"]: e for e in _container(d.pods[name])["env"]}
+        assert env["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+        assert env["NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert env["MODE"]["valueFrom"] == {"configMapKeyRef": {"name": "settings", "key": "mode"}}
+        assert "value" not in env["HF_TOKEN"]  # the secret never sits in the pod spec (or the CR)
+        assert _container(d.pods[name])["envFrom"] == tpl["envFrom"]
+    assert d.pods["demo-trainer-0"]["spec"]["schedulerName"] == "volcano"
+    assert d.pods["demo-rollout-0"]["spec"]["schedulerName"] == "default-scheduler"  # the role's override wins
+    for obj in objs:  # still valid Kubernetes objects, field for field
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
+
+
+def test_volumes_and_mounts_with_the_model_cache_on_a_shared_volume():
+    d, _ = all_objects(real_job())
+    pod = d.pods["demo-rollout-0"]
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in _container(pod)["volumeMounts"]}
+    assert volumes["data"] == {"name": "data", "persistentVolumeClaim": {"claimName": "math-data", "readOnly": True}}
+    assert volumes["lustre"]["csi"]["driver"] == "fsx.csi.aws.com"
+    assert volumes["creds"]["secret"] == {"secretName": "creds", "defaultMode": 256}
+    # The user's PVC at the cache path replaces the operator's emptyDir: a moved or recreated pod finds the model.
+    assert mounts["/var/cache/specrl"] == "model-cache" and "cache" not in volumes
+    assert mounts["/etc/specrl"] == "config" and mounts["/dev/shm"] == "dshm"
+    assert mounts["/data"] == "data" and mounts["/checkpoints"] == "checkpoints"
+    env = {e["name"]: e.get("value") for e in _container(pod)["env"]}
+    assert env["HF_HOME"] == "/var/cache/specrl/huggingface" and env["SPECRL_CACHE_DIR"] == "/var/cache/specrl"
+    # Without a cache volume the operator keeps its own emptyDir there.
+    plain = all_objects(job())[0].pods["demo-rollout-0"]
+    assert {"name": "cache", "emptyDir": {}} in plain["spec"]["volumes"]
+
+
+def test_role_overrides_replace_placement_and_merge_lists():
+    d, _ = all_objects(real_job())
+    coord, trainer, rollout = d.pods["demo-coordinator-0"], d.pods["demo-trainer-0"], d.pods["demo-rollout-0"]
+    # The coordinator does not inherit GPU-node placement or the 96Gi request.
+    assert "nodeSelector" not in coord["spec"] and "tolerations" not in coord["spec"] and "affinity" not in coord["spec"]
+    assert _container(coord)["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"}}
+    assert _container(trainer)["resources"]["requests"] == {"cpu": "8", "memory": "96Gi", "nvidia.com/gpu": "2"}
+    # ...but keeps the common volumes, mounts and secrets it needs (checkpoints, cache, HF token).
+    assert {m["mountPath"] for m in _container(coord)["volumeMounts"]} >= {"/checkpoints", "/var/cache/specrl"}
+    assert "HF_TOKEN" in {e["name"] for e in _container(coord)["env"]}
+    # Lists merge by key, the role's entry winning: the trainer's scratch is tmpfs, the rollout's a disk.
+    t_vols = {v["name"]: v for v in trainer["spec"]["volumes"]}
+    r_vols = {v["name"]: v for v in rollout["spec"]["volumes"]}
+    assert t_vols["scratch"] == {"name": "scratch", "emptyDir": {"medium": "Memory"}}
+    assert r_vols["scratch"] == {"name": "scratch", "emptyDir": {"sizeLimit": "50Gi"}}
+    t_env = {e["name"] for e in _container(trainer)["env"]}
+    assert {"NCCL_DEBUG", "HF_TOKEN"} <= t_env and "NCCL_DEBUG" not in {e["name"] for e in _container(rollout)["env"]}
+
+
+def test_restricted_pod_security_holds_with_user_volumes():
+    d, _ = all_objects(real_job())
+    for pod in d.pods.values():
+        assert pod["spec"]["securityContext"] == children.POD_SECURITY_CONTEXT
+        assert _container(pod)["securityContext"] == children.CONTAINER_SECURITY_CONTEXT
+        assert all("hostPath" not in v for v in pod["spec"]["volumes"])
+        assert "hostNetwork" not in pod["spec"] and "hostPID" not in pod["spec"]
+
+
+def test_host_path_only_when_allowed():
+    doc = copy.deepcopy(BASE)
+    doc["spec"]["resources"]["podTemplate"] = {"volumes": [{"name": "node", "hostPath": {"path": "/mnt/nvme"}}],
+                                              "volumeMounts": [{"name": "node", "mountPath": "/scratch"}]}
+    with pytest.raises(Exception, match=r"spec\.resources\.podTemplate\.volumes\[0\]\.hostPath: hostPath volumes"):
+        parse_job(copy.deepcopy(doc))
+    doc["spec"]["resources"]["podTemplate"]["allowHostPath"] = True
+    d, _ = all_objects(parse_job(doc).resolved())
+    assert {"name": "node", "hostPath": {"path": "/mnt/nvme"}} in d.pods["demo-trainer-0"]["spec"]["volumes"]
