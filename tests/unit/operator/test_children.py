@@ -339,3 +339,25 @@ def test_host_path_only_when_allowed():
     doc["spec"]["resources"]["podTemplate"]["allowHostPath"] = True
     d, _ = all_objects(parse_job(doc).resolved())
     assert {"name": "node", "hostPath": {"path": "/mnt/nvme"}} in d.pods["demo-trainer-0"]["spec"]["volumes"]
+
+
+@pytest.mark.parametrize("example", ["qwen3-8b-eagle3.yaml", "async-quantized-self.yaml"])
+def test_cluster_examples_make_valid_pods_with_storage_and_a_cpu_coordinator(example):
+    from pathlib import Path
+
+    from specrl.runtime.api import load_job
+
+    j = load_job(Path(__file__).resolve().parents[3] / "examples" / example).resolved()
+    owner = children.Owner(name=j.metadata.name, namespace="ml", uid="0000")
+    d = children.desired(j, owner, {"trainer": 1, "rollout": 1}, token="t")
+    for pod in d.pods.values():
+        kubernetes_validate.validate(pod, "1.33.0", strict=True)
+        mounts = {m["mountPath"] for m in _container(pod)["volumeMounts"]}
+        assert {"/checkpoints", "/var/cache/specrl"} <= mounts  # checkpoints and the model cache on PVCs
+        assert j.spec.checkpoint.path.startswith("/checkpoints/")
+        env = {e["name"]: e for e in _container(pod)["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+    coord = d.pods[f"{j.metadata.name}-coordinator-0"]
+    assert not coord["spec"].get("nodeSelector") and not coord["spec"].get("tolerations")
+    requests = _container(coord)["resources"]["requests"]
+    assert "nvidia.com/gpu" not in requests and int(requests["cpu"]) <= 2
