@@ -14,7 +14,8 @@ container's `command` + `args` say, with:
   translates. Every `<svc>.<ns>.svc[:port]` and `<pod>.<subdomain>.<ns>.svc[:port]` in an env value or argument
   becomes `127.0.0.1[:host port]` (a Service's port goes to its targetPort on the selected pod), and the
   container ports a pod declares get host ports of their own, passed in through the image's listen-port
-  variables (`PORT_ENV`). Absolute paths in env values and arguments that lie under a `mountPath` are
+  variables (`PORT_ENV`; a Service that selects several pods on one targetPort cannot be stood for this way:
+  only one of them could listen). Absolute paths in env values and arguments that lie under a `mountPath` are
   remapped to the pod root (the process still reads files *inside* mounted files verbatim);
 * phase, `Ready`/`ContainersReady` conditions (from the container's httpGet readinessProbe, when it has one)
   and the container's state and exit code written back to the pod's status (`Running`, then `Succeeded` on
