@@ -137,12 +137,16 @@ def _example_job(kube: KubeEnv) -> None:
         (c,) = pod["spec"]["containers"]
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (None if role == "coordinator" else "1")
-        assert c["resources"]["requests"]["cpu"] == "8" and c["resources"]["requests"]["memory"] == "96Gi"
+        # The example's CPU-only coordinator overrides the GPU pods' placement and sizing (per-role podTemplate).
+        cpu, memory = ("2", "8Gi") if role == "coordinator" else ("8", "96Gi")
+        assert c["resources"]["requests"]["cpu"] == cpu and c["resources"]["requests"]["memory"] == memory
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
         assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert pod["spec"].get("nodeSelector") == (None if role == "coordinator"
+                                                    else {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"})
+        assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in pod["spec"]["volumes"]
         assert c["image"] == "ghcr.io/specrl/specrl:0.1.0-vllm"
     st = status(kube, ns, name)
     assert st["allocation"] == {"trainer": {"replicas": 8, "gpus": 8}, "rollout": {"replicas": 8, "gpus": 8}}
