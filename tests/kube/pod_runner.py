@@ -1,7 +1,8 @@
 """A local kubelet for the Kubernetes API stand-in: runs each Pod the operator creates as a local process.
 
-`PodRunner` watches Pods over the API (HTTP, like a kubelet) and starts each new one as the process its single
-container's `command` + `args` say, with:
+`PodRunner` follows the Pods over the API (HTTP, like a kubelet; it lists them every `tick`, 0.25 s, rather than
+holding a watch, which keeps it simple and immune to dropped streams) and starts each new one as the process its
+single container's `command` + `args` say, with:
 
 * its `env` resolved as the kubelet does: literal values, `valueFrom` (`secretKeyRef`, `configMapKeyRef`,
   `fieldRef`: metadata.name/namespace/uid/labels, status.podIP, spec.nodeName) and `envFrom` (ConfigMaps and

@@ -127,6 +127,11 @@ class Join:
         out = self.kubectl("get", "rlj", JOB, "-n", NS).stdout.splitlines()
         return dict(zip(out[0].split(), out[1].split(), strict=False))
 
+    def events(self) -> list[str]:
+        """Reasons of the operator's events about the job."""
+        items = self.kubectl.json("get", "events", "-n", NS)["items"]
+        return [e.get("reason", "") for e in items if (e.get("involvedObject") or {}).get("name") == JOB]
+
     def pods(self) -> dict[str, dict[str, Any]]:
         items = self.kubectl.json("get", "pods", "-n", NS, "-l", f"specrl.io/job={JOB}")["items"]
         return {p["metadata"]["name"]: p for p in items}
@@ -157,11 +162,6 @@ def _running(pods: dict[str, dict[str, Any]]) -> set[str]:
 
 def _workers(status: dict[str, Any] | None) -> dict[str, str]:
     return {w["name"]: w["state"] for w in (status or {}).get("workers") or []}
-
-
-def _fail_if_job_failed(join: Join, status: dict[str, Any] | None, during: str) -> None:
-    if status and status.get("phase") == "Failed":
-        join.fail(f"the job failed during {during}: {status}")
 
 
 def _came_back(states: list[str]) -> bool:
@@ -270,12 +270,16 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
 
     def moved() -> dict[str, Any] | bool | None:
         st = join.status()
-        _fail_if_job_failed(join, st, "the move")
         state = _workers(st).get(victim)
         if state and (not seen or seen[-1] != state) and join.runner.running(NS, victim) is not None:
             seen.append(state)
         if _came_back(seen):
             return True  # see the xfail below
+        if st and st.get("phase") == "Failed":
+            # The same symptom, seen by the operator instead (the readmission fell between two of our polls).
+            if "DrainTimeout" in join.events():
+                return True
+            join.fail(f"the job failed during the move: {st}")
         return st if _workers(st).get(f"{r_}1") == "active" else None
 
     after_move = join.wait(moved, "rollout-1 joining the job", interval=0.1)
@@ -284,7 +288,8 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
         # pod is gone. Observed instead: the coordinator readmits it while its Ray node lives, the operator's
         # drain wait times out (drainTimeoutSeconds) and deletes a live member, and the job fails.
         pytest.xfail(f"issue 12 item 3: drained {victim} was put back to work before its pod was deleted "
-                     f"(states {seen}); the job then fails when the operator deletes the live member")
+                     f"(its states {seen}, operator events {join.events()}); the job then fails when the operator "
+                     "deletes the live member")
     last = join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"]["lastRebalance"]
     assert (last["fromRole"], last["toRole"]) == ("trainer", "rollout"), last
     assert last["reason"] in ("QueueBacklog", "StepBalance"), last  # rollout is the bottleneck either way
