@@ -361,3 +361,21 @@ def test_cluster_examples_make_valid_pods_with_storage_and_a_cpu_coordinator(exa
     assert not coord["spec"].get("nodeSelector") and not coord["spec"].get("tolerations")
     requests = _container(coord)["resources"]["requests"]
     assert "nvidia.com/gpu" not in requests and int(requests["cpu"]) <= 2
+
+
+def test_every_pod_template_field_has_a_merge_rule():
+    from specrl.runtime.podspec import REPLACED_FIELDS, PodTemplate, merge_templates
+
+    common = PodTemplate.model_validate(REAL["podTemplate"] | {"labels": {"a": "1"}, "annotations": {"a": "1"},
+                                                               "serviceAccountName": "sa", "priorityClassName": "p",
+                                                               "imagePullPolicy": "Always", "allowHostPath": False})
+    role = PodTemplate.model_validate({"nodeSelector": {}, "labels": {"b": "2"}, "env": [{"name": "X", "value": "1"}],
+                                       "serviceAccountName": "coord", "imagePullSecrets": [{"name": "other"}]})
+    merged = merge_templates(common, role)  # raises for a field without a rule
+    assert merged.node_selector == {} and merged.service_account_name == "coord"  # replaced whole
+    assert merged.labels == {"a": "1", "b": "2"}  # merged by key
+    assert [s.name for s in merged.image_pull_secrets] == ["registry", "other"]
+    assert [e.name for e in merged.env][-1] == "X" and len(merged.env) == len(common.env) + 1
+    assert merged.tolerations == common.tolerations and merged.priority_class_name == "p"  # inherited
+    assert merge_templates(common, None) == common
+    assert set(REPLACED_FIELDS) < set(PodTemplate.model_fields)
