@@ -102,7 +102,7 @@ def main(args: argparse.Namespace) -> int:
     problem = credentials_problem()
     if problem:
         print(f"specrl operator: {problem}", file=sys.stderr)
-        return 2
+        return 1
     config = OperatorConfig(coordinator_url_template=args.coordinator_url_template, poll_interval=args.poll_interval,
                             drain_poll=min(1.0, args.poll_interval))
     registry = kopf.OperatorRegistry()
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
         m.serve(args.metrics_port)
     except OSError as exc:
         print(f"specrl operator: --metrics-port {args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        return 1
     namespaces = list(args.namespaces or [])
     kopf.run(
         registry=registry,

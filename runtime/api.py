@@ -13,7 +13,8 @@ Entry points:
 - `parse_job(dict, source=...)`: the same, raising `JobValidationError` with `Problem`s that carry exact
   field paths such as `spec.resources.rollout.minReplicas`.
 - `load_jobs(path)`: every RLJob in a (multi-document) YAML file, or `JobValidationError`.
-- `check_file(path)`: every problem in a file, never raising (used by `specrl validate`).
+- `check_file(path)`, `check_text(text, source)`: every problem in a file, never raising (used by
+  `specrl validate`); documents of other kinds are skipped, `kubectl get -o yaml` Lists are unpacked.
 - `job.resolved()`: a copy with derived defaults filled in (GPU budget, weight-sync backend, replica bounds),
   the form the operator writes into the job's ConfigMap (`job.config_yaml()`).
 """
@@ -68,6 +69,9 @@ CONDITION_TYPES = ("Ready", "Rebalancing", "Suspended", "Complete", "Failed", "D
 MAX_NAME_LENGTH = 45
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 IMPORT_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+# Upper bounds on numbers, so that a typo (an extra zero or three) fails validation instead of running for a year:
+# a million RL steps, the largest vocabularies (~256k) with room, a day of waiting.
+MAX_STEPS, MAX_VOCAB, MAX_SECONDS = 1_000_000, 1_048_576, 86_400
 
 
 def _model_name_problems(name: str, field: str) -> list[tuple[str, str]]:
@@ -153,15 +157,15 @@ class AlgorithmSpec(_Strict):
         "Completions sampled per prompt; advantages are relative within the group (>= 2)."))
     learning_rate: float = Field(default=1e-5, gt=0, le=1, description="Optimizer (AdamW) learning rate.")
     clip_ratio: float = Field(default=0.2, gt=0, lt=1, description="PPO-style ratio clip epsilon.")
-    kl_coef: float = Field(default=0.0, ge=0, description="KL penalty coefficient against the initial policy.")
-    steps: int = Field(default=20, ge=1, description="Number of RL steps (policy updates).")
-    prompts_per_step: int = Field(default=8, ge=1, description="Prompts per step; samples = promptsPerStep x groupSize.")
+    kl_coef: float = Field(default=0.0, ge=0, le=100, description="KL penalty coefficient against the initial policy.")
+    steps: int = Field(default=20, ge=1, le=MAX_STEPS, description="Number of RL steps (policy updates).")
+    prompts_per_step: int = Field(default=8, ge=1, le=65536, description="Prompts per step; samples = promptsPerStep x groupSize.")
     max_new_tokens: int = Field(default=128, ge=1, le=65536, description="Maximum completion length in tokens.")
     temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature (> 0; RL needs sampling).")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass (1 = off).")
-    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
-    seed: int = Field(default=0, ge=0, description="Seed for data order, sampling and initialisation.")
-    eval_every: int = Field(default=0, ge=0, description="Evaluate on held-out prompts every N steps (0 = never).")
+    top_k: int = Field(default=0, ge=0, le=MAX_VOCAB, description="Top-k sampling (0 = off).")
+    seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed for data order, sampling and initialisation.")
+    eval_every: int = Field(default=0, ge=0, le=MAX_STEPS, description="Evaluate on held-out prompts every N steps (0 = never).")
 
 
 class Difficulty(_Strict):
@@ -170,9 +174,9 @@ class Difficulty(_Strict):
     model_config = ConfigDict(json_schema_extra=_cel(
         ("self.easy + self.medium + self.hard > 0.0", "difficulty weights must not all be zero", None)))
 
-    easy: float = Field(default=0.5, ge=0, description="Weight of easy problems.")
-    medium: float = Field(default=0.3, ge=0, description="Weight of medium problems.")
-    hard: float = Field(default=0.2, ge=0, description="Weight of hard problems (long answers: the long tail).")
+    easy: float = Field(default=0.5, ge=0, le=1e6, description="Weight of easy problems.")
+    medium: float = Field(default=0.3, ge=0, le=1e6, description="Weight of medium problems.")
+    hard: float = Field(default=0.2, ge=0, le=1e6, description="Weight of hard problems (long answers: the long tail).")
 
     @model_validator(mode="after")
     def _check(self) -> Difficulty:
@@ -184,7 +188,7 @@ class Difficulty(_Strict):
 class SyntheticDataset(_Strict):
     """The built-in synthetic reasoning task (arithmetic with verifiable answers)."""
 
-    size: int = Field(default=1024, ge=1, description="Number of distinct prompts generated.")
+    size: int = Field(default=1024, ge=1, le=100_000_000, description="Number of distinct prompts generated.")
     difficulty: Difficulty = Field(default_factory=Difficulty, description="Difficulty mix.")
 
 
@@ -256,8 +260,8 @@ class AdaptiveSpec(_Strict):
     strategy: bool = Field(default=True, description=(
         "Pick the proposer and draft length per batch-size bucket with an epsilon-greedy bandit on measured goodput."))
     epsilon: float = Field(default=0.1, ge=0, le=1, description="Exploration probability of the strategy bandit.")
-    window: int = Field(default=1000, ge=1, description="Decode steps in the sliding window of acceptance/goodput statistics.")
-    batch_size_buckets: list[Annotated[int, Field(ge=1)]] = Field(
+    window: int = Field(default=1000, ge=1, le=10_000_000, description="Decode steps in the sliding window of acceptance/goodput statistics.")
+    batch_size_buckets: list[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         default_factory=lambda: [1, 2, 5, 21], min_length=1, max_length=32,
         json_schema_extra={"x-kubernetes-list-type": "set"}, description=(
             "Lower bounds of the active-batch-size buckets the bandit keeps separate statistics for "
@@ -280,7 +284,7 @@ class DrafterTrainingSpec(_Strict):
 
     enabled: bool = Field(default=True, description=(
         "Train the drafter on recent rollouts with idle long-tail capacity (ignored by methods without a trainable drafter)."))
-    interval: int = Field(default=1, ge=1, description="Train the drafter every N policy steps.")
+    interval: int = Field(default=1, ge=1, le=MAX_STEPS, description="Train the drafter every N policy steps.")
     learning_rate: float = Field(default=1e-4, gt=0, le=1, description="Drafter learning rate.")
 
 
@@ -380,7 +384,7 @@ class ResourcesSpec(_Strict):
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=MAX_REF, description="Container image of every pod of the job.")
     gpus_per_pod: int = Field(default=1, ge=0, le=16, description=(
         "GPUs per trainer/rollout pod (nvidia.com/gpu); 0 runs on CPU. The coordinator never takes a GPU."))
-    total_gpus: int | None = Field(default=None, alias="totalGPUs", ge=0, description=(
+    total_gpus: int | None = Field(default=None, alias="totalGPUs", ge=0, le=65536, description=(
         "GPU budget of the job shared by both roles; null = (trainer.replicas + rollout.replicas) x gpusPerPod."))
     trainer: RoleSpec = Field(default_factory=RoleSpec, description="Trainer pods (GRPO updates, weight-sync source).")
     rollout: RoleSpec = Field(default_factory=RoleSpec, description="Rollout pods (speculative generation, rewards).")
@@ -435,18 +439,18 @@ class ElasticSpec(_Strict):
     ))
 
     enabled: bool = Field(default=False, description="Rebalance between roles at step boundaries.")
-    cooldown_seconds: int = Field(default=120, ge=0, description="Minimum seconds between two moves.")
+    cooldown_seconds: int = Field(default=120, ge=0, le=MAX_SECONDS, description="Minimum seconds between two moves.")
     long_tail_fraction: float = Field(default=0.25, gt=0, le=1, description=(
         "Long tail: the queue is empty and fewer than this fraction of the step's sequences are still active."))
-    queue_high_watermark: int = Field(default=64, ge=1, description=(
+    queue_high_watermark: int = Field(default=64, ge=1, le=1_000_000, description=(
         "Queued prompts per rollout worker above which a GPU moves to the rollout role."))
-    queue_low_watermark: int = Field(default=0, ge=0, description=(
+    queue_low_watermark: int = Field(default=0, ge=0, le=1_000_000, description=(
         "Queued prompts per rollout worker at or below which rollout may give a GPU back."))
-    trainer_backlog_high_watermark: int = Field(default=256, ge=1, description=(
+    trainer_backlog_high_watermark: int = Field(default=256, ge=1, le=100_000_000, description=(
         "Samples waiting for the trainers (async mode) above which a GPU moves to the trainer role."))
     hysteresis: int = Field(default=3, ge=1, le=100, description=(
         "Consecutive coordinator polls that must agree before a move (damps oscillation)."))
-    drain_timeout_seconds: int = Field(default=300, ge=1, description=(
+    drain_timeout_seconds: int = Field(default=300, ge=1, le=MAX_SECONDS, description=(
         "Seconds a draining worker may take to finish its sequences before its pod is deleted anyway."))
 
     @model_validator(mode="after")
@@ -470,8 +474,8 @@ class CheckpointSpec(_Strict):
 
     path: str | None = Field(default=None, min_length=1, max_length=MAX_PATH, description=(
         "Directory (a mounted volume); null = no checkpoints, a restarted job starts over."))
-    interval: int = Field(default=10, ge=1, description="Checkpoint every N steps.")
-    keep: int = Field(default=3, ge=1, description="Checkpoints kept (older ones are deleted).")
+    interval: int = Field(default=10, ge=1, le=MAX_STEPS, description="Checkpoint every N steps.")
+    keep: int = Field(default=3, ge=1, le=1000, description="Checkpoints kept (older ones are deleted).")
 
 
 class RLJobSpec(_Strict):
@@ -646,6 +650,9 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
+        # A problem of the whole file (unreadable, broken YAML) has neither a name nor a field to show.
+        if not self.name and not self.path:
+            return f"{self.source}: {self.message}"
         return f"{self.source}: {self.name or '<unnamed>'}: {self.path or '<document>'}: {self.message}"
 
 
@@ -757,32 +764,79 @@ def load_yaml_documents(text: str) -> list[Any]:
     return [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
 
 
-def check_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
-    """Parse and validate every RLJob in a YAML file; never raises. Returns (valid jobs, problems)."""
-    source = str(path)
+@dataclass
+class FileCheck:
+    """What one YAML source holds: valid jobs, problems, and documents of other kinds that were skipped."""
+
+    jobs: list[RLJob]
+    problems: list[Problem]
+    skipped: list[str]  # "Kind/name" of each document that is not an RLJob (a Service beside the job)
+
+
+def _is_foreign(doc: Any) -> bool:
+    """A Kubernetes object of another kind: skipped, not an error. Anything claiming to be ours is checked."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str) or not isinstance(doc.get("apiVersion"), str):
+        return False
+    return doc["kind"] != KIND and not doc["apiVersion"].startswith(f"{GROUP}/")
+
+
+def _describe(doc: dict[str, Any]) -> str:
+    meta = doc.get("metadata")
+    name = meta.get("name") if isinstance(meta, dict) else None
+    return f"{doc['kind']}/{name}" if name else str(doc["kind"])
+
+
+def _expand_lists(docs: list[Any]) -> list[Any]:
+    """`kubectl get -o yaml` writes `kind: List` (or `RLJobList`) with the objects under `items`."""
+    out: list[Any] = []
+    for doc in docs:
+        if (isinstance(doc, dict) and isinstance(doc.get("kind"), str) and doc["kind"].endswith("List")
+                and isinstance(doc.get("items"), list)):
+            out += doc["items"]
+        else:
+            out.append(doc)
+    return out
+
+
+def check_text(text: str, source: str) -> FileCheck:
+    """Parse and validate every RLJob in a YAML stream; never raises."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return [], [Problem(source, "", "", f"cannot read file: {reason}")]
-    try:
-        docs = load_yaml_documents(text)
+        docs = _expand_lists(load_yaml_documents(text))
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
         what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        return [], [Problem(source, "", "", f"invalid YAML{at}: {what}")]
-    if not docs:
-        return [], [Problem(source, "", "", "no RLJob found (the file is empty)")]
+        return FileCheck([], [Problem(source, "", "", f"invalid YAML{at}: {what}")], [])
+    skipped = [_describe(d) for d in docs if _is_foreign(d)]
+    ours = [(i, d) for i, d in enumerate(docs) if not _is_foreign(d)]
+    if not ours:
+        other = f" (skipped {', '.join(skipped)})" if skipped else " (the file is empty)"
+        return FileCheck([], [Problem(source, "", "", f"no RLJob found{other}")], skipped)
     jobs, problems = [], []
-    for i, doc in enumerate(docs):
+    for i, doc in ours:
         try:
             jobs.append(parse_job(doc, source=source))
         except JobValidationError as exc:
             # Unnamed documents of a multi-document file are told apart by their position.
             problems += [p if p.name or len(docs) == 1 else replace(p, name=f"<document {i + 1}>")
                          for p in exc.problems]
-    return jobs, problems
+    return FileCheck(jobs, problems, skipped)
+
+
+def read_problem(source: str, exc: OSError | UnicodeDecodeError) -> Problem:
+    """`missing.yaml: cannot read file: No such file or directory` (no name or field: there is no document)."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return Problem(source, "", "", f"cannot read file: {reason}")
+
+
+def check_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
+    """Parse and validate every RLJob in a YAML file; never raises. Returns (valid jobs, problems)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        return [], [read_problem(str(path), exc)]
+    found = check_text(text, str(path))
+    return found.jobs, found.problems
 
 
 def load_jobs(path: str | Path) -> list[RLJob]:

@@ -1,15 +1,29 @@
 """The `specrl` command line.
 
 The parsers live here so the whole interface is visible in one place; every implementation is imported
-lazily, so `specrl validate` and `specrl operator` never import torch.
+lazily, so `specrl validate`, `specrl crd`, `specrl simulate` and `specrl operator` never import torch and work
+on the base install (`pip install specrl`).
+
+Exit codes, the same for every subcommand (as kubectl and helm do):
+  0  success
+  1  failure: invalid input (an RLJob, a scenario, a file that cannot be read), a failed run, a missing extra
+  2  usage error: the command line itself is wrong (unknown option, bad value, conflicting options)
+
+Adding a subcommand: a parser block in `build_parser` and one entry in `HANDLERS` (plus `RUNTIME_COMMANDS` when
+it needs torch).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+EXIT_CODES = "exit codes: 0 success, 1 failure (invalid input, failed run), 2 usage error"
 
 # subcommand -> "module:function"; the function takes the parsed argparse.Namespace and returns an exit code.
 HANDLERS: dict[str, str] = {
@@ -23,77 +37,169 @@ HANDLERS: dict[str, str] = {
     "worker": "specrl.runtime.worker:main",
 }
 
+# Subcommands that need the `runtime` extra; checked before the handler is imported, so that a base install
+# gets one line instead of an ImportError from deep inside.
+RUNTIME_COMMANDS = frozenset({"run", "bench rollout", "bench sync", "worker"})
+# Top-level modules of the runtime extra (pyproject.toml [project.optional-dependencies] runtime).
+RUNTIME_MODULES = ("torch", "transformers", "safetensors", "ray", "scipy", "matplotlib")
+RUNTIME_HINT = "install the runtime extra: pip install 'specrl[runtime]'"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specrl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a bad value is a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 0 meaning off."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {value}")
+    return value
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help starts with its own description and ends with the exit codes."""
+    return sub.add_parser(name, help=summary, description=f"{summary}.\n\n{description}", epilog=EXIT_CODES,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specrl", description="Elastic, speculative RL jobs on Kubernetes.")
+    parser = argparse.ArgumentParser(
+        prog="specrl", description="Elastic, speculative RL post-training jobs on Kubernetes.",
+        epilog=f"Run `specrl COMMAND --help` for a command's options.\n{EXIT_CODES}",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"specrl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("run", help="run an RLJob locally (Ray on this machine, CPU by default)")
-    p.add_argument("job", help="RLJob YAML file")
-    p.add_argument("--out", default=None, help="output folder (default: runs/<job name>)")
-    p.add_argument("--steps", type=int, default=None, help="override spec.algorithm.steps")
+    p = _command(sub, "run", "run an RLJob locally (Ray on this machine, CPU by default)",
+                 "Runs the job's coordinator, trainer and rollout workers on a local Ray instance, the same code\n"
+                 "path as the cluster. Writes OUT/summary.json, OUT/metrics.jsonl and PNG plots.\n"
+                 "Needs the runtime extra: pip install 'specrl[runtime]'.")
+    p.add_argument("job", metavar="JOB.yaml", help="RLJob YAML file holding exactly one RLJob")
+    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/<job name>)")
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N", help="override spec.algorithm.steps")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
 
-    p = sub.add_parser("validate", help="validate RLJob YAML files (exit 2 on any problem)")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p = _command(sub, "validate", "validate RLJob YAML offline, the way the API server would",
+                 "Prints one line per problem, FILE: NAME: FIELD.PATH: MESSAGE, and reports every problem it can\n"
+                 "find in one pass (field types and bounds, unknown fields, cross-field rules of every part whose\n"
+                 "own fields are valid). Reads files, directories (*.yaml, *.yml, *.json inside, recursively) and\n"
+                 "- (standard input). Multi-document files and `kubectl get -o yaml` Lists are read; documents of\n"
+                 "other kinds (a Service beside the job) are skipped with a note. Invalid RLJobs exit 1.")
+    p.add_argument("files", nargs="+", metavar="FILE", help="YAML file, directory, or - for standard input")
+    p.add_argument("-o", "--output", choices=("text", "json"), default="text",
+                   help="text: one line per problem (default); json: one JSON object on stdout")
 
-    p = sub.add_parser("crd", help="print the RLJob CustomResourceDefinition generated from the API models")
-    p.add_argument("--check", action="store_true", help="exit 1 when crds/ or the chart's copy is stale")
-    p.add_argument("--write", action="store_true", help="rewrite crds/ and the chart's copy")
+    p = _command(sub, "crd", "print the RLJob CustomResourceDefinition generated from the API models",
+                 "The CRD is generated from runtime/api.py; crds/ and the chart's crds/ hold copies that are\n"
+                 "never edited by hand.")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 when crds/ or the chart's copy is stale")
+    mode.add_argument("--write", action="store_true", help="rewrite crds/ and the chart's copy")
 
-    p = sub.add_parser("operator", help="run the kopf operator that reconciles RLJobs")
+    p = _command(sub, "operator", "run the kopf operator that reconciles RLJobs",
+                 "Reconciles RLJobs into coordinator, trainer and rollout pods and moves GPUs between roles.\n"
+                 "Credentials: the pod's service account, else KUBECONFIG or ~/.kube/config.")
     ns = p.add_mutually_exclusive_group()
     ns.add_argument("--namespace", "-n", action="append", dest="namespaces", metavar="NS",
                     help="watch this namespace (repeatable); default: all namespaces")
     ns.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
     p.add_argument("--coordinator-url-template", default="http://{name}-coordinator.{namespace}.svc:8000",
-                   help="URL of a job's coordinator; {name} and {namespace} are filled in")
-    p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus /metrics port (0 disables)")
-    p.add_argument("--health-port", type=int, default=8081, help="liveness endpoint port (0 disables)")
-    p.add_argument("--peering", default=None, help="kopf peering name for hot standby (default: standalone)")
-    p.add_argument("--poll-interval", type=float, default=10.0, help="seconds between coordinator polls")
-    p.add_argument("--verbose", "-v", action="store_true")
+                   metavar="T", help="URL of a job's coordinator; {name} and {namespace} are filled in")
+    p.add_argument("--metrics-port", type=port, default=8080, metavar="PORT",
+                   help="Prometheus /metrics port (0 disables)")
+    p.add_argument("--health-port", type=port, default=8081, metavar="PORT",
+                   help="liveness endpoint port (0 disables)")
+    p.add_argument("--peering", default=None, metavar="NAME",
+                   help="leader election through the kopf peering object NAME (run several replicas; "
+                        "default: standalone, one replica)")
+    p.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between coordinator polls")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", metavar="WHAT", required=True)
-    for name, text in (("rollout", "speculative rollout engine vs AR and HF"), ("sync", "weight sync vs loopback")):
-        b = bench.add_parser(name, help=text)
+    bench = _command(sub, "bench", "benchmarks (need the runtime extra)",
+                     "Measured on this machine; medians over repeats. See README for the targets.")
+    which = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    for name, text in (("rollout", "speculative rollout engine vs plain decoding and HF generate"),
+                       ("sync", "weight sync between two processes vs loopback TCP")):
+        b = _command(which, name, text, "Prints a table; --json writes every measurement.")
         b.add_argument("--quick", action="store_true", help="smaller workload, for smoke tests")
         b.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
-        b.add_argument("--repeats", type=int, default=None, help="repetitions (median is reported)")
+        b.add_argument("--repeats", type=positive_int, default=None, metavar="N",
+                       help="repetitions (the median is reported)")
 
-    p = sub.add_parser("simulate", help="simulate an RL job at cluster scale")
-    p.add_argument("scenario", nargs="?", default=None, help="scenario YAML")
-    p.add_argument("--preset", default=None, help="a built-in scenario (see --list)")
-    p.add_argument("--list", action="store_true", help="list presets")
-    p.add_argument("--json", default=None, metavar="FILE")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline plot")
+    p = _command(sub, "simulate", "simulate an RL job at cluster scale (a cost model; no torch needed)",
+                 "Compares plain decoding, speculative decoding, the best static trainer/rollout split and the\n"
+                 "operator's elastic policy for a scenario (a YAML file or a preset).")
+    p.add_argument("scenario", nargs="?", default=None, metavar="SCENARIO.yaml", help="scenario YAML")
+    p.add_argument("--preset", default=None, metavar="NAME", help="a built-in scenario (see --list)")
+    p.add_argument("--list", action="store_true", help="list the presets and exit")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a timeline plot (needs matplotlib)")
     p.add_argument("--from-bench", default=None, metavar="JSON",
                    help="predict the SD speedups `specrl bench rollout --json` measured, from its measured costs")
 
-    p = sub.add_parser("worker", help="pod entrypoint of a job's coordinator, trainer or rollout worker")
-    p.add_argument("role", choices=["coordinator", "trainer", "rollout"])
-    p.add_argument("--config", required=True, help="resolved job config (the ConfigMap's job.yaml)")
+    p = _command(sub, "worker", "pod entrypoint of a job's coordinator, trainer or rollout worker",
+                 "Started by the pods the operator creates; reads SPECRL_* environment variables.")
+    p.add_argument("role", choices=["coordinator", "trainer", "rollout"], help="which part of the job this pod runs")
+    p.add_argument("--config", required=True, metavar="FILE",
+                   help="resolved job config (the ConfigMap's job.yaml)")
     return parser
+
+
+def _missing_runtime_module() -> str | None:
+    for name in RUNTIME_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):
+            return name
+    return None
 
 
 def _resolve(command: str) -> Callable[[argparse.Namespace], int]:
     module_name, func = HANDLERS[command].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
-            raise SystemExit(f"specrl {command}: not available in this build ({module_name} is missing)") from None
-        raise SystemExit(
-            f"specrl {command}: missing dependency {exc.name!r}; install the runtime extra: pip install 'specrl[runtime]'"
-        ) from None
+    module = importlib.import_module(module_name)
     return getattr(module, func)
+
+
+def _is_runtime_dependency(exc: ModuleNotFoundError) -> bool:
+    return bool(exc.name) and exc.name.split(".")[0] in RUNTIME_MODULES
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = f"bench {args.bench}" if args.command == "bench" else args.command
+    if command in RUNTIME_COMMANDS and (missing := _missing_runtime_module()):
+        print(f"specrl {command}: needs {missing!r}, which is not installed; {RUNTIME_HINT}", file=sys.stderr)
+        return EXIT_FAILURE
     try:
         return int(_resolve(command)(args) or 0)
+    except ModuleNotFoundError as exc:
+        # An optional dependency imported lazily inside a handler (e.g. matplotlib for --plot).
+        if not _is_runtime_dependency(exc):
+            raise
+        print(f"specrl {command}: needs {exc.name!r}, which is not installed; {RUNTIME_HINT}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

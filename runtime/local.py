@@ -83,13 +83,13 @@ def main(args: argparse.Namespace) -> int:
         _job, settings = load_settings(args.job, getattr(args, "steps", None))
     except JobError as exc:
         print(f"specrl run: {exc}", file=sys.stderr)
-        return 2
+        return 1
     out_dir = Path(args.out) if getattr(args, "out", None) else Path("runs") / settings.job
     try:
         summary = run_job(settings, out_dir, progress=not getattr(args, "no_progress", False))
     except JobError as exc:
         print(f"specrl run: {exc}", file=sys.stderr)
-        return 2
+        return 1
     print(json.dumps({k: summary[k] for k in SUMMARY_HEADLINE if k in summary}, indent=1))
     print(f"wrote {out_dir}/summary.json, metrics.jsonl and plots")
     return 0 if summary.get("prompts_lost", 0) == 0 else 1

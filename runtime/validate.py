@@ -1,34 +1,76 @@
-"""`specrl validate FILE...`: check RLJob YAML files offline, the way the API server would.
+"""`specrl validate FILE|DIR|- ... [-o json]`: check RLJob YAML offline, the way the API server would.
 
-One line per problem, `FILE: <metadata.name>: <field.path>: <message>`, on stdout; exit 2 when there is any
-problem, 0 otherwise. Never a traceback: unreadable files and broken YAML are problems like any other.
+Text output: one line per problem on stdout, `FILE: <metadata.name>: <field.path>: <message>` (a problem of the
+whole file, such as `missing.yaml: cannot read file: ...`, has no name or field), notes and the summary on
+stderr. JSON output: one object on stdout, `{"valid": [...], "problems": [...], "skipped": [...]}`.
+Exit 0 when every RLJob is valid, 1 when there is any problem. Never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from specrl.runtime.api import Problem, check_file
+from specrl.runtime.api import Problem, check_text, read_problem
+
+YAML_SUFFIXES = (".yaml", ".yml", ".json")  # JSON is YAML 1.2; kubectl reads both
 
 
-def validate_files(paths: list[str]) -> tuple[int, list[Problem]]:
-    """(number of valid jobs, every problem) over all files."""
-    valid, problems = 0, []
-    for path in paths:
-        jobs, found = check_file(path)
-        valid += len(jobs)
-        problems += found
-    return valid, problems
+@dataclass
+class Report:
+    valid: list[dict[str, str]] = field(default_factory=list)  # {"source", "name"} of every valid RLJob
+    problems: list[Problem] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)  # {"source", "object": "Kind/name"}, other kinds
+
+    def to_json(self) -> dict[str, object]:
+        return {"valid": self.valid, "problems": [asdict(p) for p in self.problems], "skipped": self.skipped}
+
+
+def _sources(arg: str) -> list[tuple[str, Path | None]]:
+    """(display name, path or None for stdin) of each YAML source an argument names."""
+    if arg == "-":
+        return [("<stdin>", None)]
+    path = Path(arg)
+    if path.is_dir():
+        return [(str(p), p) for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in YAML_SUFFIXES]
+    return [(arg, path)]
+
+
+def validate(args: list[str]) -> Report:
+    report = Report()
+    for arg in args:
+        sources = _sources(arg)
+        if not sources:
+            report.problems.append(Problem(arg, "", "", "no *.yaml, *.yml or *.json file in this directory"))
+        for name, path in sources:
+            try:
+                text = sys.stdin.read() if path is None else path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                report.problems.append(read_problem(name, exc))
+                continue
+            found = check_text(text, name)
+            report.valid += [{"source": name, "name": job.metadata.name} for job in found.jobs]
+            report.problems += found.problems
+            report.skipped += [{"source": name, "object": what} for what in found.skipped]
+    return report
 
 
 def main(args: argparse.Namespace) -> int:
-    valid, problems = validate_files(list(args.files))
-    for problem in problems:
-        print(problem)
-    if problems:
-        print(f"{len(problems)} problem(s) in {len({p.source for p in problems})} file(s)",
-              file=sys.stderr)
-        return 2
-    print(f"{valid} RLJob(s) valid", file=sys.stderr)
-    return 0
+    report = validate(list(args.files))
+    if getattr(args, "output", "text") == "json":
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for problem in report.problems:
+            print(problem)
+        for item in report.skipped:
+            print(f"note: {item['source']}: {item['object']}: not an RLJob, skipped", file=sys.stderr)
+        if report.problems:
+            files = len({p.source for p in report.problems})
+            print(f"{len(report.problems)} problem(s) in {files} file(s); {len(report.valid)} RLJob(s) valid",
+                  file=sys.stderr)
+        else:
+            print(f"{len(report.valid)} RLJob(s) valid", file=sys.stderr)
+    return 1 if report.problems else 0

@@ -1,4 +1,7 @@
-"""`specrl simulate [SCENARIO.yaml | --preset NAME] [--json FILE] [--plot PNG] [--list]`."""
+"""`specrl simulate [SCENARIO.yaml | --preset NAME] [--json FILE] [--plot PNG] [--list]`.
+
+A cost model: imports no torch, so it runs on the base install (`--plot` needs matplotlib).
+"""
 
 from __future__ import annotations
 
@@ -42,12 +45,21 @@ def main(args: argparse.Namespace) -> int:
         for name in list_presets():
             console.print(f"{name}: {load_scenario(preset=name).description.strip()}")
         return 0
+    # Usage errors (exit 2): what to simulate is missing, ambiguous or unknown; a bad scenario file is a failure (1).
+    usage = None
+    if (args.scenario is None) == (args.preset is None):
+        usage = "give either a scenario file or --preset NAME (see --list)"
+    elif args.preset is not None and args.preset not in list_presets():
+        usage = f"--preset: unknown preset {args.preset!r}; known: {', '.join(list_presets())}"
+    if usage:
+        print(f"specrl simulate: {usage}", file=sys.stderr)
+        return 2
     try:
         scenario = load_scenario(args.scenario, args.preset)
         gpu_named(scenario.cluster.gpu)
     except ValueError as exc:
         print(f"specrl simulate: {exc}", file=sys.stderr)
-        return 2
+        return 1
     with console.status(f"simulating {scenario.name} (AR, SD, split sweep, elastic)…"):
         report = evaluate(scenario)
     console.print(_table(report))
@@ -73,7 +85,7 @@ def _from_bench(console: Console, args: argparse.Namespace) -> int:
         rows = predict_bench(bench)
     except (OSError, ValueError, KeyError) as exc:
         print(f"specrl simulate: {args.from_bench}: {exc}", file=sys.stderr)
-        return 2
+        return 1
     t = Table(title=f"simulator vs measured on this machine ({args.from_bench})")
     for col in ("config", "acceptance length", "measured speedup", "predicted speedup", "error"):
         t.add_column(col, justify="left" if col == "config" else "right")

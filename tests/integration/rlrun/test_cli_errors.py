@@ -29,7 +29,7 @@ def _job(tmp_path: Path, body: str) -> Path:
 def test_missing_dataset_file_names_the_field(tmp_path):
     job = _job(tmp_path, "  dataset: {type: jsonl, path: /nonexistent/gsm8k.jsonl}\n")
     r = _run(["run", str(job), "--no-progress"], tmp_path)
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert "spec.dataset.path" in r.stderr and "/nonexistent/gsm8k.jsonl" in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert not (tmp_path / "runs").exists()  # no partial state
@@ -38,18 +38,18 @@ def test_missing_dataset_file_names_the_field(tmp_path):
 def test_reward_function_not_installed(tmp_path):
     job = _job(tmp_path, "  reward: {type: function, function: 'nosuchpkg.rewards:score'}\n")
     r = _run(["run", str(job)], tmp_path)
-    assert r.returncode == 2 and "spec.reward.function" in r.stderr and "nosuchpkg" in r.stderr
+    assert r.returncode == 1 and "spec.reward.function" in r.stderr and "nosuchpkg" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_invalid_spec_and_missing_file(tmp_path):
     job = _job(tmp_path, "  algorithm: {groupSize: 1}\n")
     r = _run(["run", str(job)], tmp_path)
-    assert r.returncode == 2 and "groupSize" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "groupSize" in r.stderr and "Traceback" not in r.stderr
     r = _run(["run", str(tmp_path / "nope.yaml")], tmp_path)
-    assert r.returncode == 2 and "nope.yaml" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "nope.yaml" in r.stderr and "Traceback" not in r.stderr
     r = _run(["run", str(job), "--steps", "0"], tmp_path)
-    assert r.returncode == 2
+    assert r.returncode == 2 and "--steps: must be >= 1" in r.stderr  # a usage error
 
 
 def test_worker_gives_up_on_unreachable_coordinator(tmp_path):

@@ -1,0 +1,148 @@
+"""The `specrl` command line as a user meets it: --version, --help of every command, exit codes (0 ok,
+1 failure, 2 usage), `validate` on stdin/directories/Lists/multi-kind files/-o json, and the commands that must
+work on the base install (no torch, no Ray) really running without them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from specrl.runtime.cli import HANDLERS, build_parser
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = ROOT / "examples" / "tiny-local.yaml"
+
+# Runs the CLI with the runtime extra made unimportable, as on `pip install specrl` without `[runtime]`.
+BASE_INSTALL = textwrap.dedent("""
+    import importlib.abc, sys
+    class NoRuntimeExtra(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {"torch", "transformers", "safetensors", "ray", "scipy", "matplotlib"}:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    sys.meta_path.insert(0, NoRuntimeExtra())
+    from specrl.runtime.cli import main
+    code = main(sys.argv[1:])
+    leaked = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "ray", "transformers"})
+    assert not leaked, leaked
+    sys.exit(code)
+""")
+
+
+def _specrl(*args: str, stdin: str | None = None, base_install: bool = False,
+            cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    head = ["-c", BASE_INSTALL] if base_install else ["-m", "specrl.runtime.cli"]
+    return subprocess.run([sys.executable, *head, *args], input=stdin, capture_output=True, text=True, timeout=120,
+                          cwd=cwd, check=False)
+
+
+def _subparsers(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:
+    out = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out[f"{prefix}{name}"] = sub
+                out.update(_subparsers(sub, f"{prefix}{name} "))
+    return out
+
+
+def test_version() -> None:
+    proc = _specrl("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("specrl 0.") and len(proc.stdout.splitlines()) == 1
+
+
+def test_every_command_has_its_own_help_documenting_each_argument() -> None:
+    subs = _subparsers(build_parser())
+    assert set(HANDLERS) <= set(subs)
+    descriptions = [sub.description for sub in subs.values()]
+    assert all(descriptions) and len(set(descriptions)) == len(descriptions)
+    for name, sub in subs.items():
+        assert "exit codes: 0 success, 1 failure" in (sub.epilog or ""), name
+        for action in sub._actions:
+            if not isinstance(action, argparse._SubParsersAction):
+                assert action.help, f"specrl {name}: {action.option_strings or action.dest} has no help text"
+    proc = _specrl("validate", "--help")
+    assert proc.returncode == 0 and "(standard input)" in proc.stdout and "exit codes" in proc.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("crd", "--check", "--write"),
+    ("validate",),
+    ("nosuchcommand",),
+    ("run", str(TINY), "--steps", "0"),
+    ("operator", "--metrics-port", "70000"),
+    ("bench", "sync", "--repeats", "0"),
+    ("simulate",),
+    ("simulate", "--preset", "nope"),
+])
+def test_usage_errors_exit_2(args: tuple[str, ...]) -> None:
+    proc = _specrl(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip()
+
+
+def test_validate_reads_stdin_directories_lists_and_skips_other_kinds(tmp_path: Path) -> None:
+    job = TINY.read_text()
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "sub" / "job.yml").write_text(job)
+    (tmp_path / "d" / "notes.txt").write_text("not yaml: [")
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: coord}\n---\n" + job)
+    # what `kubectl get rlj -o yaml` prints: a List whose items are the objects
+    listed = tmp_path / "list.yaml"
+    listed.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "metadata": {},
+                                  "items": [{**_doc(job), "metadata": {"name": f"j{i}"}} for i in range(2)]}))
+    proc = _specrl("validate", "-", str(tmp_path / "d"), str(mixed), str(listed), stdin=job)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    assert f"note: {mixed}: Service/coord: not an RLJob, skipped" in proc.stderr
+    assert "5 RLJob(s) valid" in proc.stderr
+
+
+def _doc(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_validate_json_output_and_exit_1_on_problems(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: typo}\n"
+                   "spec: {algorithm: {steps: 2000000000, promptsPerStep: 8000000}, resources: {totalGPUs: 10000000}}\n")
+    proc = _specrl("validate", "-o", "json", str(TINY), str(bad), str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 1
+    out = json.loads(proc.stdout)
+    assert out["valid"] == [{"source": str(TINY), "name": "tiny-local"}]
+    paths = {(p["source"], p["path"]) for p in out["problems"]}
+    # absurd numbers are caught, all in one pass
+    assert {(str(bad), "spec.algorithm.steps"), (str(bad), "spec.algorithm.promptsPerStep"),
+            (str(bad), "spec.resources.totalGPUs")} <= paths
+    assert {"source": str(tmp_path / "missing.yaml"), "name": "", "path": "",
+            "message": "cannot read file: No such file or directory"} in out["problems"]
+    text = _specrl("validate", str(tmp_path / "missing.yaml"))
+    assert text.returncode == 1
+    assert text.stdout == f"{tmp_path / 'missing.yaml'}: cannot read file: No such file or directory\n"
+
+
+def test_base_install_runs_validate_crd_and_simulate_without_torch() -> None:
+    proc = _specrl("validate", str(TINY), base_install=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _specrl("crd", "--check", base_install=True).returncode == 0
+    listing = _specrl("simulate", "--list", base_install=True)
+    assert listing.returncode == 0, listing.stderr
+    preset = listing.stdout.split(":", 1)[0]
+    sim = _specrl("simulate", "--preset", preset, base_install=True)
+    assert sim.returncode == 0, sim.stderr
+    assert "rollout speedup" in sim.stdout
+
+
+@pytest.mark.parametrize("args", [("run", str(TINY)), ("bench", "rollout", "--quick")])
+def test_base_install_runtime_commands_say_what_to_install(args: tuple[str, ...]) -> None:
+    proc = _specrl(*args, base_install=True)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().endswith("install the runtime extra: pip install 'specrl[runtime]'")
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
