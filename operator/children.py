@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -152,8 +153,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# Set by `specrl operator --default-job-image` (Helm value `jobImage`): the image of jobs that name none.
+DEFAULT_JOB_IMAGE_ENV = "SPECRL_DEFAULT_JOB_IMAGE"
+
+
 def image_of(job: Any) -> str:
-    return str(job.spec.resources.image)
+    """The job's own image, else the operator's default job image, else the built-in one."""
+    from specrl.runtime.api import DEFAULT_IMAGE
+
+    return str(job.spec.resources.image or os.environ.get(DEFAULT_JOB_IMAGE_ENV) or DEFAULT_IMAGE)
 
 
 def gpus_per_pod(job: Any) -> int:

@@ -3,9 +3,13 @@
 The arguments are parsed in :mod:`specrl.runtime.cli`; :func:`main` receives them. Settings and why:
 
 * **standalone** unless ``--peering NAME``: one replica (Deployment ``strategy: Recreate``) is the normal
-  set-up. For a hot standby run two replicas with ``--peering specrl`` and a ``KopfPeering`` (namespaced)
-  or ``ClusterKopfPeering`` object of that name; each instance gets a random priority, the highest one
-  serves, the other waits and takes over when the leader's heartbeat (60 s lifetime) stops.
+  set-up. High availability (the chart's ``replicaCount`` > 1): every replica runs with ``--peering NAME``
+  against a ``ClusterKopfPeering`` (all namespaces) or one ``KopfPeering`` per watched namespace of that name,
+  which the chart creates; each instance gets a random priority, the highest one serves, the others wait and
+  take over when the leader's heartbeat (60 s lifetime) stops. ``mandatory``: a replica whose peering object
+  is missing refuses to run rather than reconcile unpeered next to another one.
+* **default job image** ``--default-job-image`` (the chart's ``jobImage``): the image of jobs whose
+  ``spec.resources.image`` is empty, e.g. an air-gapped mirror.
 * **progress and diff-base in status** (``status.kopf``): kopf's bookkeeping rides on the status patch the
   operator sends anyway, instead of an extra metadata patch per change.
 * **finalizer** ``specrl.io/operator`` (needed because each job has a timer; removed once the timer stops,
@@ -32,6 +36,7 @@ import kopf
 import yaml
 from specrl.operator import handlers
 from specrl.operator import metrics as m
+from specrl.operator.children import DEFAULT_JOB_IMAGE_ENV
 from specrl.operator.reconcile import OperatorConfig
 
 FINALIZER = "specrl.io/operator"
@@ -99,6 +104,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"specrl operator: --coordinator-url-template: only {{name}} and {{namespace}} may be filled in ({exc})",
               file=sys.stderr)
         return 2
+    if args.default_job_image is not None:
+        if not args.default_job_image.strip() or any(c.isspace() for c in args.default_job_image):
+            print(f"specrl operator: --default-job-image: not an image reference: {args.default_job_image!r}",
+                  file=sys.stderr)
+            return 2
+        # Read by children.image_of when a job names no image (the chart's `jobImage`).
+        os.environ[DEFAULT_JOB_IMAGE_ENV] = args.default_job_image
     problem = credentials_problem()
     if problem:
         print(f"specrl operator: {problem}", file=sys.stderr)

@@ -6,7 +6,9 @@ runtime's metrics live in ``specrl.runtime.metrics``.
 Per-job series (allocation, conditions, rebalances, coordinator errors) are rendered at scrape time from
 one entry per RLJob, the way kube-state-metrics exports object state: a job's series appear when it is first
 reconciled and all disappear with :func:`forget_job` when it is deleted, and a condition whose reason changes
-is exported under the new reason only (never a stale series under the old one).
+is exported under the new reason only (never a stale series under the old one). A job is labelled
+``rljob_namespace`` and ``rljob``, never ``namespace``/``job``: Prometheus sets those on every target (the
+operator pod's namespace, the scrape job), so they would collide unless ``honor_labels`` is on.
 """
 
 from __future__ import annotations
@@ -106,19 +108,19 @@ class _JobState(Collector):
                                    labels=["phase"])
         replicas = GaugeMetricFamily("specrl_operator_allocation_replicas",
                                      "Pods the operator allocates to each role of a job (after rebalancing).",
-                                     labels=["namespace", "job", "role"])
+                                     labels=["rljob_namespace", "rljob", "role"])
         gpus = GaugeMetricFamily("specrl_operator_allocation_gpus",
                                  "GPUs the operator allocates to each role of a job (replicas x gpusPerPod).",
-                                 labels=["namespace", "job", "role"])
+                                 labels=["rljob_namespace", "rljob", "role"])
         conditions = GaugeMetricFamily(
             "specrl_operator_job_condition",
             "Status conditions of a job: 1 when the condition is True, 0 otherwise; reason is the current one.",
-            labels=["namespace", "job", "condition", "reason"])
+            labels=["rljob_namespace", "rljob", "condition", "reason"])
         rebalances = CounterMetricFamily("specrl_operator_rebalance",
                                          "Pods moved between roles by the elastic rebalancer.",
-                                         labels=["namespace", "job", "from_role", "to_role", "reason"])
+                                         labels=["rljob_namespace", "rljob", "from_role", "to_role", "reason"])
         errors = CounterMetricFamily("specrl_operator_coordinator_errors",
-                                     "Failed polls of a job coordinator's GET /status.", labels=["namespace", "job"])
+                                     "Failed polls of a job coordinator's GET /status.", labels=["rljob_namespace", "rljob"])
         counts = dict.fromkeys(PHASES, 0)
         for (ns, name), e in sorted(jobs.items()):
             if e.phase:

@@ -209,11 +209,14 @@ def _with_applied(job: RLJob, applied: Mapping[str, Any]) -> tuple[RLJob, list[s
         changes.append(f"spec.model is immutable: running {applied['model'].get('name')!r}, "
                        f"requested {job.spec.model.name!r}")
         spec = spec.model_copy(update={"model": type(spec.model).model_validate(applied["model"])})
-    if applied.get("image") is not None and applied["image"] != job.spec.resources.image:
-        changes.append(f"spec.resources.image is immutable: running {applied['image']!r}, "
-                       f"requested {job.spec.resources.image!r}")
-        spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"image": applied["image"]})})
-    return (job.model_copy(update={"spec": spec}) if changes else job), changes
+    running = applied.get("image")
+    if running is not None and running != children.image_of(job):
+        # Only an explicit edit is a change; a new operator default image (jobImage) is for new jobs only.
+        if job.spec.resources.image is not None:
+            changes.append(f"spec.resources.image is immutable: running {running!r}, "
+                           f"requested {job.spec.resources.image!r}")
+        spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"image": running})})
+    return (job.model_copy(update={"spec": spec}) if spec is not job.spec else job), changes
 
 
 def _allocation(job: RLJob, status: dict[str, Any]) -> dict[str, int]:
@@ -346,7 +349,7 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
         m.expect_rebalances(*key, possible_moves(job.spec.mode))
     applied = st.setdefault("applied", {})
     applied.setdefault("model", IMMUTABLE[0][1](job))
-    applied.setdefault("image", job.spec.resources.image)
+    applied.setdefault("image", children.image_of(job))
     job, changes = _with_applied(job, applied)
     alloc = _allocation(job, st)
     desired_alloc = dict(alloc)

@@ -381,7 +381,9 @@ class ResourcesSpec(_Strict):
          "<= self.totalGPUs"), "minReplicas of both roles x gpusPerPod must fit in totalGPUs", ".totalGPUs"),
     ))
 
-    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=MAX_REF, description="Container image of every pod of the job.")
+    image: str | None = Field(default=None, min_length=1, max_length=MAX_REF, description=(
+        "Container image of every pod of the job; null = the operator's default job image (Helm value `jobImage`, "
+        f"for air-gapped mirrors), else {DEFAULT_IMAGE}. A job keeps the image it started with."))
     gpus_per_pod: int = Field(default=1, ge=0, le=16, description=(
         "GPUs per trainer/rollout pod (nvidia.com/gpu); 0 runs on CPU. The coordinator never takes a GPU."))
     total_gpus: int | None = Field(default=None, alias="totalGPUs", ge=0, le=65536, description=(

@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peering", default=None, metavar="NAME",
                    help="leader election through the kopf peering object NAME (run several replicas; "
                         "default: standalone, one replica)")
+    p.add_argument("--default-job-image", default=None, metavar="IMAGE",
+                   help="image of RLJob pods whose spec.resources.image is empty (e.g. an air-gapped mirror)")
     p.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
                    help="seconds between coordinator polls")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")

@@ -18,7 +18,7 @@ numbers of its workers). Usage::
     m = RuntimeMetrics.from_env()                    # labels from SPECRL_JOB / _NAMESPACE / _ROLE / _WORKER
 
 Every attribute of `RuntimeMetrics` is the labelled child of its metric (a `Gauge`, `Counter` or `Histogram`
-bound to this worker's `job`, `namespace`, `role`, `worker`), created eagerly so that every series exists with
+bound to this worker's `rljob`, `rljob_namespace`, `role`, `worker`), created eagerly so that every series exists with
 value 0 from the first scrape (dashboards and `absent()` alerts then see the worker at once).
 
 Acceptance rate and acceptance length are not exported: as in vLLM they are computed in PromQL,
@@ -43,7 +43,11 @@ from prometheus_client import (
     generate_latest,
 )
 
-LABELS: tuple[str, ...] = ("job", "namespace", "role", "worker")
+# `rljob` and `rljob_namespace`, not `job` and `namespace`: Prometheus attaches `job` (the scrape job) and the
+# Kubernetes service discovery `namespace` (the pod's) to every target; with the default `honor_labels: false`
+# a series' own `job`/`namespace` would be renamed to `exported_job`/`exported_namespace`. Names no scrape config
+# sets work with any of them (KubeRay labels Ray series `ray_io_cluster` for the same reason).
+LABELS: tuple[str, ...] = ("rljob", "rljob_namespace", "role", "worker")
 
 Kind = Literal["gauge", "counter", "histogram"]
 
@@ -208,10 +212,10 @@ class RuntimeMetrics:
 
     def __init__(self, job: str, namespace: str, role: str, worker: str,
                  registry: CollectorRegistry | None = None) -> None:
-        for field, value in (("job", job), ("namespace", namespace), ("role", role), ("worker", worker)):
+        self.labels: dict[str, str] = dict(zip(LABELS, (job, namespace, role, worker), strict=True))
+        for label, value in self.labels.items():
             if not isinstance(value, str) or not value:
-                raise ValueError(f"RuntimeMetrics: label {field!r} must be a non-empty string, got {value!r}")
-        self.labels: dict[str, str] = {"job": job, "namespace": namespace, "role": role, "worker": worker}
+                raise ValueError(f"RuntimeMetrics: label {label!r} must be a non-empty string, got {value!r}")
         self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
         for attr, family in families(self.registry).items():
             setattr(self, attr, family.labels(**self.labels))

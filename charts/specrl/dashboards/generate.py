@@ -11,8 +11,10 @@ Conventions (those of vLLM's and kube-prometheus-stack's dashboards):
 
 * datasource ``${DS_PROMETHEUS}``: declared in ``__inputs`` for a manual import, and as a datasource template
   variable of the same name so that the Grafana sidecar (which ignores ``__inputs``) resolves it too;
-* template variables ``namespace`` and ``job`` (multi-value, "All" = ``.*``), used as
-  ``namespace=~"$namespace", job=~"$job"`` in every selector;
+* labels ``rljob_namespace`` and ``rljob`` name the RLJob (never ``namespace``/``job``, which Prometheus sets on
+  every target: the dashboards work with any scrape configuration, ``honor_labels`` true or false);
+* template variables ``namespace`` and ``rljob`` (multi-value, "All" = ``.*``), used as
+  ``rljob_namespace=~"$namespace", rljob=~"$rljob"`` in every selector;
 * acceptance rate ``rate(accepted)/rate(draft_tokens)`` and acceptance length ``1 + rate(accepted)/rate(drafts)``,
   computed in PromQL as vLLM does; rates over ``$__rate_interval``.
 """
@@ -28,7 +30,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
-SEL = 'namespace=~"$namespace", job=~"$job"'
+SEL = 'rljob_namespace=~"$namespace", rljob=~"$rljob"'
 RATE = "$__rate_interval"
 SCHEMA_VERSION = 39
 
@@ -60,15 +62,15 @@ class Row:
     panels: list[Panel]
 
 
-def rate(metric: str, by: str = "namespace, job", sel: str = SEL) -> str:
+def rate(metric: str, by: str = "rljob_namespace, rljob", sel: str = SEL) -> str:
     return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
 
 
-def quantile(q: float, metric: str, by: str = "namespace, job", sel: str = SEL) -> str:
+def quantile(q: float, metric: str, by: str = "rljob_namespace, rljob", sel: str = SEL) -> str:
     return f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket{{{sel}}}[{RATE}])))"
 
 
-def mean_of_histogram(metric: str, by: str = "namespace, job", sel: str = SEL) -> str:
+def mean_of_histogram(metric: str, by: str = "rljob_namespace, rljob", sel: str = SEL) -> str:
     return f"{rate(metric + '_sum', by, sel)} / {rate(metric + '_count', by, sel)}"
 
 
@@ -76,113 +78,113 @@ JOB_ROWS: list[Row] = [
     Row("Rollout", [
         Panel("Rollout throughput (tokens/s)",
               "Response tokens generated per second by the job's rollout workers (all workers, and per worker).",
-              [Target(rate("specrl_rollout_generated_tokens_total"), "{{job}} total"),
-               Target(rate("specrl_rollout_generated_tokens_total", "namespace, job, worker"), "{{worker}}")],
+              [Target(rate("specrl_rollout_generated_tokens_total"), "{{rljob}} total"),
+               Target(rate("specrl_rollout_generated_tokens_total", "rljob_namespace, rljob, worker"), "{{worker}}")],
               unit="short"),
         Panel("Speculative acceptance rate",
               "Share of proposed draft tokens the target accepted: rate(accepted) / rate(draft tokens), as vLLM "
               "computes it. Low values mean a stale or weak drafter.",
               [Target(f"{rate('specrl_spec_decode_num_accepted_tokens_total')} / "
-                      f"{rate('specrl_spec_decode_num_draft_tokens_total')}", "{{job}}")],
+                      f"{rate('specrl_spec_decode_num_draft_tokens_total')}", "{{rljob}}")],
               unit="percentunit", max=1),
         Panel("Mean acceptance length",
               "Tokens emitted per verify step of a sequence: 1 + rate(accepted) / rate(drafts). 1 means no "
               "speculative gain; the draft length plus one is the ceiling.",
               [Target(f"1 + {rate('specrl_spec_decode_num_accepted_tokens_total')} / "
-                      f"{rate('specrl_spec_decode_num_drafts_total')}", "{{job}}")],
+                      f"{rate('specrl_spec_decode_num_drafts_total')}", "{{rljob}}")],
               unit="short", min=1),
         Panel("Speculative decoding on (share of rollout workers)",
               "Fraction of rollout workers with speculation switched on. The adaptive toggle turns it on when "
               "the active batch is small (memory-bound decode, e.g. the long tail) and off at large batch.",
-              [Target(f'avg by (namespace, job) (specrl_spec_decode_enabled{{{SEL}, role="rollout"}})', "{{job}}")],
+              [Target(f'avg by (rljob_namespace, rljob) (specrl_spec_decode_enabled{{{SEL}, role="rollout"}})', "{{rljob}}")],
               unit="percentunit", max=1),
         Panel("Draft length",
               "Speculative tokens per draft (gamma) per rollout worker; adapts to the running acceptance rate.",
-              [Target(f'max by (namespace, job, worker) (specrl_spec_decode_draft_length{{{SEL}, role="rollout"}})',
+              [Target(f'max by (rljob_namespace, rljob, worker) (specrl_spec_decode_draft_length{{{SEL}, role="rollout"}})',
                       "{{worker}}")]),
         Panel("Rollout queue depth",
               "Prompts waiting in the coordinator queue. A growing queue pulls GPUs towards rollout.",
-              [Target(f"sum by (namespace, job) (specrl_rollout_queue_depth{{{SEL}}})", "{{job}}")]),
+              [Target(f"sum by (rljob_namespace, rljob) (specrl_rollout_queue_depth{{{SEL}}})", "{{rljob}}")]),
         Panel("Active sequences",
               "Sequences being generated right now, per worker (stacked).",
-              [Target(f"sum by (namespace, job, worker) (specrl_rollout_active_sequences{{{SEL}}})", "{{worker}}")],
+              [Target(f"sum by (rljob_namespace, rljob, worker) (specrl_rollout_active_sequences{{{SEL}}})", "{{worker}}")],
               stack=True),
         Panel("Long-tail phase",
               "1 while the step is in its long tail (queue empty, few long sequences left): speculation pays off "
               "and idle capacity trains the drafter.",
-              [Target(f"max by (namespace, job) (specrl_rollout_long_tail{{{SEL}}})", "{{job}}")],
+              [Target(f"max by (rljob_namespace, rljob) (specrl_rollout_long_tail{{{SEL}}})", "{{rljob}}")],
               kind="state-timeline", max=1,
               extra={"mappings": [{"type": "value", "options": {
                   "0": {"text": "bulk", "color": "green", "index": 0},
                   "1": {"text": "long tail", "color": "orange", "index": 1}}}]}),
         Panel("Response length",
               "Median and 95th percentile of finished responses, in tokens; the gap is the long tail.",
-              [Target(quantile(0.5, "specrl_rollout_response_length_tokens"), "p50 {{job}}"),
-               Target(quantile(0.95, "specrl_rollout_response_length_tokens"), "p95 {{job}}")]),
+              [Target(quantile(0.5, "specrl_rollout_response_length_tokens"), "p50 {{rljob}}"),
+               Target(quantile(0.95, "specrl_rollout_response_length_tokens"), "p95 {{rljob}}")]),
     ]),
     Row("Resources", [
         Panel("GPUs per role",
               "GPUs the operator allocates to the trainer and rollout roles (replicas x gpusPerPod), drawn as steps. "
               "Annotations mark rebalances, with their reason.",
-              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_gpus{{{SEL}}})",
-                      "{{job}} {{role}}")],
+              [Target(f"sum by (rljob_namespace, rljob, role) (specrl_operator_allocation_gpus{{{SEL}}})",
+                      "{{rljob}} {{role}}")],
               width=16, stack=False, extra={"drawStyle": "line", "lineInterpolation": "stepAfter"}),
         Panel("Rebalances by reason",
               "Pods the elastic rebalancer moved between roles, by reason and direction (0 while nothing moves).",
-              [Target(f"sum by (namespace, job, reason, from_role, to_role) "
+              [Target(f"sum by (rljob_namespace, rljob, reason, from_role, to_role) "
                       f"(increase(specrl_operator_rebalance_total{{{SEL}}}[{RATE}]))",
-                      "{{job}} {{reason}}: {{from_role}} → {{to_role}}")],
+                      "{{rljob}} {{reason}}: {{from_role}} → {{to_role}}")],
               kind="barchart-ts"),
         Panel("Job conditions",
               "The RLJob's status conditions over time (True/False): Ready, Rebalancing (a move in flight), "
               "Degraded (coordinator unreachable or an immutable field edited), Suspended, Complete, Failed.",
-              [Target(f"max by (namespace, job, condition) (specrl_operator_job_condition{{{SEL}}})",
-                      "{{job}} {{condition}}")],
+              [Target(f"max by (rljob_namespace, rljob, condition) (specrl_operator_job_condition{{{SEL}}})",
+                      "{{rljob}} {{condition}}")],
               kind="state-timeline", width=16, max=1,
               extra={"mappings": [{"type": "value", "options": {
                   "0": {"text": "False", "color": "transparent", "index": 0},
                   "1": {"text": "True", "color": "blue", "index": 1}}}]}),
         Panel("Sequences completed",
               "Finished rollout sequences per second.",
-              [Target(rate("specrl_rollout_sequences_completed_total"), "{{job}}")]),
+              [Target(rate("specrl_rollout_sequences_completed_total"), "{{rljob}}")]),
     ]),
     Row("Weight sync", [
         Panel("Weight-sync duration",
               "Time of one packed-bucket weight sync (policy and drafter): median, p95 and mean.",
-              [Target(quantile(0.5, "specrl_weight_sync_duration_seconds"), "p50 {{job}}"),
-               Target(quantile(0.95, "specrl_weight_sync_duration_seconds"), "p95 {{job}}"),
-               Target(mean_of_histogram("specrl_weight_sync_duration_seconds"), "mean {{job}}")],
+              [Target(quantile(0.5, "specrl_weight_sync_duration_seconds"), "p50 {{rljob}}"),
+               Target(quantile(0.95, "specrl_weight_sync_duration_seconds"), "p95 {{rljob}}"),
+               Target(mean_of_histogram("specrl_weight_sync_duration_seconds"), "mean {{rljob}}")],
               unit="s"),
         Panel("Weight-sync bandwidth",
               "Bytes per second of weights moved by syncs, by role (trainer: sent, rollout: received).",
-              [Target(rate("specrl_weight_sync_bytes_total", "namespace, job, role"), "{{job}} {{role}}")],
+              [Target(rate("specrl_weight_sync_bytes_total", "rljob_namespace, rljob, role"), "{{rljob}} {{role}}")],
               unit="Bps"),
         Panel("Weight version",
               "Policy version each worker holds. Rollout workers lagging the trainer show async staleness.",
-              [Target(f"max by (namespace, job, worker) (specrl_weight_version{{{SEL}}})", "{{worker}}")]),
+              [Target(f"max by (rljob_namespace, rljob, worker) (specrl_weight_version{{{SEL}}})", "{{worker}}")]),
     ]),
     Row("Training", [
         Panel("Trainer step time",
               "Wall time of one training step (forward, backward, optimizer): median and p95.",
-              [Target(quantile(0.5, "specrl_trainer_step_duration_seconds"), "p50 {{job}}"),
-               Target(quantile(0.95, "specrl_trainer_step_duration_seconds"), "p95 {{job}}")],
+              [Target(quantile(0.5, "specrl_trainer_step_duration_seconds"), "p50 {{rljob}}"),
+               Target(quantile(0.95, "specrl_trainer_step_duration_seconds"), "p95 {{rljob}}")],
               unit="s"),
         Panel("Trainer backlog",
               "Samples waiting for a trainer. A growing backlog (async mode) pushes GPUs towards training.",
-              [Target(f"sum by (namespace, job) (specrl_trainer_backlog_samples{{{SEL}}})", "{{job}}")]),
+              [Target(f"sum by (rljob_namespace, rljob) (specrl_trainer_backlog_samples{{{SEL}}})", "{{rljob}}")]),
         Panel("Reward",
               "Mean reward of the samples of the last training step, and greedy accuracy on held-out problems at "
               "the last periodic evaluation (spec.algorithm.evalEvery).",
-              [Target(f"avg by (namespace, job) (specrl_trainer_reward_mean{{{SEL}}})", "reward {{job}}"),
-               Target(f"max by (namespace, job) (specrl_eval_accuracy_ratio{{{SEL}}})", "held-out accuracy {{job}}")],
+              [Target(f"avg by (rljob_namespace, rljob) (specrl_trainer_reward_mean{{{SEL}}})", "reward {{rljob}}"),
+               Target(f"max by (rljob_namespace, rljob) (specrl_eval_accuracy_ratio{{{SEL}}})", "held-out accuracy {{rljob}}")],
               min=None),
         Panel("Training step",
               "Last completed RL step.",
-              [Target(f"max by (namespace, job) (specrl_trainer_step{{{SEL}}})", "{{job}}")]),
+              [Target(f"max by (rljob_namespace, rljob) (specrl_trainer_step{{{SEL}}})", "{{rljob}}")]),
         Panel("Drafter training",
               "Drafter loss and drafter optimizer steps per second (it trains on idle long-tail capacity).",
-              [Target(f"avg by (namespace, job) (specrl_drafter_loss{{{SEL}}})", "loss {{job}}"),
-               Target(rate("specrl_drafter_train_steps_total"), "steps/s {{job}}")],
+              [Target(f"avg by (rljob_namespace, rljob) (specrl_drafter_loss{{{SEL}}})", "loss {{rljob}}"),
+               Target(rate("specrl_drafter_train_steps_total"), "steps/s {{rljob}}")],
               min=None),
     ]),
 ]
@@ -217,15 +219,15 @@ OPERATOR_ROWS: list[Row] = [
               kind="barchart-ts"),
         Panel("Coordinator poll errors",
               "Failed polls of a job coordinator's GET /status (a running job turns Degraded while they persist).",
-              [Target(rate("specrl_operator_coordinator_errors_total"), "{{namespace}}/{{job}}")],
+              [Target(rate("specrl_operator_coordinator_errors_total"), "{{rljob_namespace}}/{{rljob}}")],
               unit="ops"),
         Panel("Jobs by condition",
               "RLJobs whose condition is True, per condition (Degraded is what SpecRLJobDegraded alerts on).",
               [Target(f"sum by (condition) (specrl_operator_job_condition{{{SEL}}})", "{{condition}}")]),
         Panel("GPUs per job and role",
               "GPUs allocated to each role of each job, stacked: the top line is every GPU specrl jobs hold.",
-              [Target(f"sum by (namespace, job, role) (specrl_operator_allocation_gpus{{{SEL}}})",
-                      "{{namespace}}/{{job}} {{role}}")],
+              [Target(f"sum by (rljob_namespace, rljob, role) (specrl_operator_allocation_gpus{{{SEL}}})",
+                      "{{rljob_namespace}}/{{rljob}} {{role}}")],
               width=16, stack=True, extra={"lineInterpolation": "stepAfter"}),
     ]),
 ]
@@ -323,8 +325,8 @@ def dashboard(uid: str, title: str, description: str, rows: list[Row], var_metri
         "templating": {"list": [
             {"name": "DS_PROMETHEUS", "label": "Data source", "type": "datasource", "query": "prometheus",
              "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []},
-            variable("namespace", "Namespace", f"label_values({var_metric}, namespace)"),
-            variable("job", "RLJob", f'label_values({var_metric}{{namespace=~"$namespace"}}, job)'),
+            variable("namespace", "Namespace", f"label_values({var_metric}, rljob_namespace)"),
+            variable("rljob", "RLJob", f'label_values({var_metric}{{rljob_namespace=~"$namespace"}}, rljob)'),
         ]},
         "panels": layout(rows),
     }
@@ -332,15 +334,15 @@ def dashboard(uid: str, title: str, description: str, rows: list[Row], var_metri
 
 REBALANCE_ANNOTATION = {
     "name": "Rebalances", "enable": True, "hide": False, "iconColor": "orange", "datasource": DS,
-    "expr": f"sum by (namespace, job, reason, from_role, to_role) "
+    "expr": f"sum by (rljob_namespace, rljob, reason, from_role, to_role) "
             f"(increase(specrl_operator_rebalance_total{{{SEL}}}[2m])) > 0",
     "step": "1m", "titleFormat": "Rebalance {{reason}}",
-    "textFormat": "{{namespace}}/{{job}}: {{from_role}} → {{to_role}}",
-    "tagKeys": "namespace,job,reason", "useValueForTime": False,
+    "textFormat": "{{rljob_namespace}}/{{rljob}}: {{from_role}} → {{to_role}}",
+    "tagKeys": "rljob_namespace,rljob,reason", "useValueForTime": False,
 }
 OPERATOR_REBALANCE_ANNOTATION = {
     **REBALANCE_ANNOTATION,
-    "expr": "sum by (namespace, job, reason, from_role, to_role) (increase(specrl_operator_rebalance_total[2m])) > 0",
+    "expr": "sum by (rljob_namespace, rljob, reason, from_role, to_role) (increase(specrl_operator_rebalance_total[2m])) > 0",
 }
 
 

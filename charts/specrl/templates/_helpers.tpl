@@ -108,3 +108,15 @@ namespace; the cluster rules are what kopf needs to discover resources and names
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
+
+{{/*
+kopf peering name: `operator.peering`, or the release's full name as soon as more than one replica runs (two
+unpeered kopf operators would both reconcile every RLJob). Empty: standalone.
+*/}}
+{{- define "specrl.peering" -}}
+{{- if .Values.operator.peering -}}
+{{- .Values.operator.peering -}}
+{{- else if gt (int .Values.replicaCount) 1 -}}
+{{- include "specrl.fullname" . -}}
+{{- end -}}
+{{- end }}

@@ -270,7 +270,7 @@ def test_rebalance_trace_moves_roles_with_drains_before_deletions(kube: KubeEnv,
     # The operator's own metrics tell the same story.
     text = metrics_text(operator)
     totals = {(s["from_role"], s["to_role"], s["reason"]): v
-              for s, v in samples(text, "specrl_operator_rebalance_total", namespace=ns, job=name)}
+              for s, v in samples(text, "specrl_operator_rebalance_total", rljob_namespace=ns, rljob=name)}
     # Per job and direction, exactly the moves of the trace; every other move this job could make exists at 0.
     assert totals == {**dict.fromkeys(possible_moves("async"), 0.0), ("trainer", "rollout", "QueueBacklog"): 4,
                       ("rollout", "trainer", "LongTail"): 4, ("rollout", "trainer", "TrainerBacklog"): 2}
@@ -279,7 +279,7 @@ def test_rebalance_trace_moves_roles_with_drains_before_deletions(kube: KubeEnv,
     # One series per condition, mirroring the status: 1 when True, under its current reason.
     def exported() -> dict[str, tuple[str, float]]:
         return {s["condition"]: (s["reason"], v) for s, v in
-                samples(metrics_text(operator), "specrl_operator_job_condition", namespace=ns, job=name)}
+                samples(metrics_text(operator), "specrl_operator_job_condition", rljob_namespace=ns, rljob=name)}
 
     conditions = wait_for(lambda: (e := exported()) == {
         c["type"]: (c["reason"], 1.0 if c["status"] == "True" else 0.0)
@@ -321,7 +321,7 @@ def test_suspend_resume_and_delete(kube: KubeEnv, operator: OperatorProcess):
              "workers recreated on resume")
     wait_for(lambda: condition(status(kube, ns, name), "Suspended").get("reason") == "Resumed", 10, "Resumed")
 
-    assert f'job="{name}",namespace="{ns}"' in metrics_text(operator)
+    assert f'rljob="{name}",rljob_namespace="{ns}"' in metrics_text(operator)
     kube.kubectl("delete", "rlj", name, "-n", ns, "--wait=false")
     wait_for(lambda: kube.job(ns, name) is None, 20, "the RLJob to be gone (finalizer released)")
     wait_for(lambda: not kube.pods(ns, name), 20, "pods gone")
@@ -329,7 +329,7 @@ def test_suspend_resume_and_delete(kube: KubeEnv, operator: OperatorProcess):
         assert not [o for o in kube.objects(resource, ns).values()
                     if o["metadata"].get("labels", {}).get("specrl.io/job") == name]
     # No stale series of the deleted job on /metrics (allocation, conditions, rebalance counters).
-    assert f'job="{name}",namespace="{ns}"' not in metrics_text(operator)
+    assert f'rljob="{name}",rljob_namespace="{ns}"' not in metrics_text(operator)
 
 
 def _strip_cel(node: Any) -> Any:

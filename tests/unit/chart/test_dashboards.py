@@ -63,16 +63,16 @@ def test_datasource_input_and_variables(name: str) -> None:
     assert [i["name"] for i in board["__inputs"]] == ["DS_PROMETHEUS"]
     assert board["__inputs"][0]["pluginId"] == "prometheus"
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert set(variables) == {"DS_PROMETHEUS", "namespace", "job"}
+    assert set(variables) == {"DS_PROMETHEUS", "namespace", "rljob"}
     assert variables["DS_PROMETHEUS"]["type"] == "datasource"
     assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
-    for var in ("namespace", "job"):
+    for var in ("namespace", "rljob"):
         v = variables[var]
         assert v["type"] == "query" and v["datasource"] == DS_REF
         assert v["includeAll"] and v["allValue"] == ".*" and v["multi"]
         assert v["query"]["query"].startswith("label_values(")
-    # job depends on namespace, so picking a namespace narrows the job list.
-    assert "$namespace" in variables["job"]["query"]["query"]
+    # rljob depends on namespace, so picking a namespace narrows the job list.
+    assert "$namespace" in variables["rljob"]["query"]["query"]
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))
@@ -131,7 +131,7 @@ def test_acceptance_queries_are_vllm_style() -> None:
 
 def test_every_job_query_is_scoped_to_the_variables() -> None:
     for q in dashboard_queries(BOARDS["job.json"], "job.json"):
-        assert 'namespace=~"$namespace"' in q.expr and 'job=~"$job"' in q.expr, q.where
+        assert 'rljob_namespace=~"$namespace"' in q.expr and 'rljob=~"$rljob"' in q.expr, q.where
 
 
 @pytest.mark.parametrize("name", sorted(BOARDS))
@@ -171,7 +171,7 @@ def test_readme_describes_every_panel() -> None:
 
 
 def test_operator_metric_labels_match_what_the_dashboards_group_by() -> None:
-    # The per-job operator families carry namespace and job (the job dashboard's variables select on them).
+    # The per-job operator families carry rljob_namespace and rljob (the job dashboard's variables select on them).
     labels = {}
     operator_metrics.observe_job("ns-label-check", "j", {"phase": "Running", "allocation": {
         "trainer": {"replicas": 1, "gpus": 2}}, "conditions": [{"type": "Ready", "status": "True", "reason": "R"}]})
@@ -179,10 +179,10 @@ def test_operator_metric_labels_match_what_the_dashboards_group_by() -> None:
     try:
         for family in operator_metrics.REGISTRY.collect():
             for sample in family.samples:
-                if sample.labels.get("namespace") == "ns-label-check":
+                if sample.labels.get("rljob_namespace") == "ns-label-check":
                     labels[sample.name] = set(sample.labels)
     finally:
         operator_metrics.forget_job("ns-label-check", "j")
-    assert labels["specrl_operator_allocation_gpus"] == {"namespace", "job", "role"}
-    assert labels["specrl_operator_job_condition"] == {"namespace", "job", "condition", "reason"}
-    assert labels["specrl_operator_rebalance_total"] == {"namespace", "job", "from_role", "to_role", "reason"}
+    assert labels["specrl_operator_allocation_gpus"] == {"rljob_namespace", "rljob", "role"}
+    assert labels["specrl_operator_job_condition"] == {"rljob_namespace", "rljob", "condition", "reason"}
+    assert labels["specrl_operator_rebalance_total"] == {"rljob_namespace", "rljob", "from_role", "to_role", "reason"}

@@ -344,12 +344,12 @@ async def test_coordinator_not_up_yet_keeps_the_job_pending_not_degraded(env):
 
 
 def sample(name: str, **labels: str) -> float | None:
-    return m.REGISTRY.get_sample_value(name, {"namespace": "ns", "job": "j", **labels})
+    return m.REGISTRY.get_sample_value(name, {"rljob_namespace": "ns", "rljob": "j", **labels})
 
 
 def job_series(name: str) -> list[dict[str, str]]:
     return [dict(s.labels) for fam in m.REGISTRY.collect() for s in fam.samples
-            if s.name == name and s.labels.get("job") == "j" and s.labels.get("namespace") == "ns"]
+            if s.name == name and s.labels.get("rljob") == "j" and s.labels.get("rljob_namespace") == "ns"]
 
 
 async def test_metrics_follow_the_status_and_count_moves(env):

@@ -67,30 +67,30 @@ def test_metrics_names_and_labels():
     m.count_coordinator_error("ns", "j")
     m.RECONCILE_SECONDS.labels("timer").observe(0.01)
     text = _text()
-    assert 'specrl_operator_allocation_replicas{job="j",namespace="ns",role="rollout"} 3.0' in text
-    assert 'specrl_operator_allocation_gpus{job="j",namespace="ns",role="rollout"} 12.0' in text
-    assert 'specrl_operator_allocation_gpus{job="j",namespace="ns",role="trainer"} 8.0' in text
-    assert ('specrl_operator_rebalance_total{from_role="trainer",job="j",namespace="ns",reason="QueueBacklog",'
+    assert 'specrl_operator_allocation_replicas{rljob="j",rljob_namespace="ns",role="rollout"} 3.0' in text
+    assert 'specrl_operator_allocation_gpus{rljob="j",rljob_namespace="ns",role="rollout"} 12.0' in text
+    assert 'specrl_operator_allocation_gpus{rljob="j",rljob_namespace="ns",role="trainer"} 8.0' in text
+    assert ('specrl_operator_rebalance_total{from_role="trainer",reason="QueueBacklog",rljob="j",rljob_namespace="ns",'
             'to_role="rollout"} 1.0') in text
     # Pre-created at 0: a panel shows 0 rather than "No data", and increase() sees the first move.
-    assert ('specrl_operator_rebalance_total{from_role="rollout",job="j",namespace="ns",reason="LongTail",'
+    assert ('specrl_operator_rebalance_total{from_role="rollout",reason="LongTail",rljob="j",rljob_namespace="ns",'
             'to_role="trainer"} 0.0') in text
-    assert 'specrl_operator_coordinator_errors_total{job="j",namespace="ns"} 1.0' in text
-    assert 'specrl_operator_job_condition{condition="Ready",job="j",namespace="ns",reason="AllPodsRunning"} 1.0' in text
-    assert 'specrl_operator_job_condition{condition="Degraded",job="j",namespace="ns",reason="AsExpected"} 0.0' in text
+    assert 'specrl_operator_coordinator_errors_total{rljob="j",rljob_namespace="ns"} 1.0' in text
+    assert 'specrl_operator_job_condition{condition="Ready",reason="AllPodsRunning",rljob="j",rljob_namespace="ns"} 1.0' in text
+    assert 'specrl_operator_job_condition{condition="Degraded",reason="AsExpected",rljob="j",rljob_namespace="ns"} 0.0' in text
     assert "specrl_operator_reconcile_duration_seconds_bucket" in text
     assert 'specrl_operator_jobs{phase="Running"} 1.0' in text and 'specrl_operator_jobs{phase="Failed"} 0.0' in text
     # Counting again only adds; expecting again never resets a count.
     m.expect_rebalances("ns", "j", [("trainer", "rollout", "QueueBacklog")])
     assert m.REGISTRY.get_sample_value("specrl_operator_rebalance_total", {
-        "namespace": "ns", "job": "j", "from_role": "trainer", "to_role": "rollout", "reason": "QueueBacklog"}) == 1.0
+        "rljob_namespace": "ns", "rljob": "j", "from_role": "trainer", "to_role": "rollout", "reason": "QueueBacklog"}) == 1.0
     m.forget_job("ns", "j")
 
 
 def test_condition_reason_change_replaces_the_series():
     m.forget_job("ns", "d")
     m.observe_job("ns", "d", _status("Running", (True, "CoordinatorUnreachable")))
-    degraded = {"namespace": "ns", "job": "d", "condition": "Degraded"}
+    degraded = {"rljob_namespace": "ns", "rljob": "d", "condition": "Degraded"}
     assert m.REGISTRY.get_sample_value("specrl_operator_job_condition",
                                        {**degraded, "reason": "CoordinatorUnreachable"}) == 1.0
     m.observe_job("ns", "d", _status("Running", (False, "AsExpected")))
@@ -98,7 +98,7 @@ def test_condition_reason_change_replaces_the_series():
     assert 'reason="CoordinatorUnreachable"' not in _text()  # no stale series under the old reason
     # A status without a condition (e.g. reset after a fixed spec) drops that condition's series.
     m.observe_job("ns", "d", {"phase": "Pending", "conditions": []})
-    assert 'job="d"' not in "".join(line for line in _text().splitlines() if "job_condition" in line)
+    assert 'rljob="d"' not in "".join(line for line in _text().splitlines() if "job_condition" in line)
     m.forget_job("ns", "d")
 
 
@@ -109,14 +109,14 @@ def test_forget_job_drops_every_series_of_the_job_only():
         m.count_coordinator_error("ns", job)
     m.forget_job("ns", "gone")
     text = _text()
-    assert 'job="gone"' not in text
+    assert 'rljob="gone"' not in text
     for family in ("allocation_replicas", "allocation_gpus", "job_condition", "rebalance_total",
                    "coordinator_errors_total"):
-        assert any(line.startswith(f"specrl_operator_{family}{{") and 'job="kept"' in line
+        assert any(line.startswith(f"specrl_operator_{family}{{") and 'rljob="kept"' in line
                    for line in text.splitlines()), family
     assert 'specrl_operator_jobs{phase="Running"} 1.0' in text
     m.forget_job("ns", "kept")
-    assert 'job="kept"' not in _text()
+    assert 'rljob="kept"' not in _text()
 
 
 def test_rbac_rules_cover_every_write_the_operator_makes():

@@ -94,7 +94,7 @@ def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECRL_NAMESPACE", "team")
     monkeypatch.setenv("SPECRL_ROLE", "rollout")
     monkeypatch.setenv("SPECRL_WORKER", "gsm-rollout-3")
-    assert RuntimeMetrics.from_env().labels == {"job": "gsm", "namespace": "team", "role": "rollout",
+    assert RuntimeMetrics.from_env().labels == {"rljob": "gsm", "rljob_namespace": "team", "role": "rollout",
                                                 "worker": "gsm-rollout-3"}
     monkeypatch.delenv("SPECRL_WORKER")
     monkeypatch.setenv("SPECRL_WORKER_INDEX", "2")
