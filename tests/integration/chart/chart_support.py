@@ -257,13 +257,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What Kubernetes service discovery attaches to a pod target (besides `job` and `instance`).
+TARGET_LABELS = {"namespace": "specrl-system", "pod": "scraped-pod"}
+
+
 @dataclass
 class Prometheus:
     """A real Prometheus (Debian package) on 127.0.0.1 scraping `host:port` targets every second.
 
     Targets come from a file_sd file, so `set_targets()` can add processes that start later (their ports are
-    only known then). `honor_labels: true` as the chart's ServiceMonitor/PodMonitor set it, so the
-    `job`/`namespace` labels the runtime exports win over the scrape job's.
+    only known then). `honor_labels: false` (Prometheus' default, and the chart's) and every target labelled
+    `namespace` the way Kubernetes service discovery labels a pod's target: a series that exported its own `job`
+    or `namespace` would come out as `exported_job`/`exported_namespace`, and the dashboards would find nothing.
     """
 
     targets: list[str]
@@ -279,7 +284,7 @@ class Prometheus:
         root = Path(self.tmp.name)
         config = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "scrape_configs": [{"job_name": "specrl", "honor_labels": True, "metrics_path": "/metrics",
+            "scrape_configs": [{"job_name": "specrl", "honor_labels": False, "metrics_path": "/metrics",
                                 "file_sd_configs": [{"files": [str(root / "targets.json")],
                                                      "refresh_interval": "1s"}]}],
             "rule_files": [str(p) for p in self.rule_files],
@@ -323,7 +328,7 @@ class Prometheus:
         self.targets = list(targets)
         path = Path(self.tmp.name) / "targets.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps([{"targets": self.targets}]))
+        tmp.write_text(json.dumps([{"targets": self.targets, "labels": TARGET_LABELS}]))
         tmp.rename(path)  # atomic: Prometheus never reads a half-written file
 
     def logs(self) -> str:

@@ -15,8 +15,8 @@ from chart_support import helm_template, metric_names, rendered_rule_groups, run
 
 pytestmark = pytest.mark.integration
 
-LBL = 'namespace="ml", job="grpo"'
-ALERT_LABELS = {"namespace": "ml", "job": "grpo"}
+LBL = 'rljob_namespace="ml", rljob="grpo"'
+ALERT_LABELS = {"rljob_namespace": "ml", "rljob": "grpo"}
 
 
 def s(metric: str, values: str, role: str = "rollout", worker: str = "grpo-rollout-0", **extra: str) -> dict[str, str]:

@@ -4,7 +4,8 @@
 * End to end: `specrl run` of examples/tiny-local.yaml on the runtime tests' micro models (local mode: the
   coordinator's /metrics re-exports every worker's series) and `specrl operator` reconciling the same RLJob in the Kubernetes emulator, with its
   coordinator URL pointed at the local run's coordinator, are scraped every second by Prometheus (Debian
-  package) with `honor_labels` as the chart's monitors set it. While the run lasts, every query is evaluated
+  package) with the default `honor_labels: false` and a `namespace` target label, as Kubernetes service
+  discovery attaches one (the series' own `rljob`/`rljob_namespace` labels cannot collide with target labels). While the run lasts, every query is evaluated
   with the dashboard variables set as Grafana would (each namespace offered with its first job, and "All" =
   `.*`); each must return a series with a finite value at some point, under "All" and under a selected job.
   The chart's rendered alert rules are loaded into the same Prometheus: a second RLJob (coordinator unreachable,
@@ -75,7 +76,7 @@ def test_every_expression_parses(tmp_path: Path) -> None:
             assert m, f"{where}: malformed label_values"
             expr = m.group(1)
         rules.append({"record": f"specrl:dashboard_query:{i}",
-                      "expr": substitute(expr, {"namespace": ".*", "job": ".*"})})
+                      "expr": substitute(expr, {"namespace": ".*", "rljob": ".*"})})
     path = tmp_path / "queries.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     out = run([tool("promtool"), "check", "rules", str(path)])
@@ -117,7 +118,7 @@ def scrape_labels(url: str) -> tuple[str, str]:
     m = re.search(r'^specrl_rollout_queue_depth\{([^}]*)\}', body, re.MULTILINE)
     assert m, f"{url} exports no specrl_rollout_queue_depth:\n{body[:2000]}"
     labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-    return labels["namespace"], labels["job"]
+    return labels["rljob_namespace"], labels["rljob"]
 
 
 def micro_job(path: Path, steps: int) -> Path:
@@ -222,8 +223,8 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail,
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         for name, board in BOARDS.items():
-            for variables in [*discover(prom, board), {"namespace": ".*", "job": ".*"}]:
-                choice = "All" if variables["job"] == ".*" else "selected"
+            for variables in [*discover(prom, board), {"namespace": ".*", "rljob": ".*"}]:
+                choice = "All" if variables["rljob"] == ".*" else "selected"
                 for q in dashboard_queries(board, name):
                     r = results.setdefault(q.where, {"where": q.where, "series": 0, "error": "",
                                                      "All": False, "selected": False, "exprs": set()})
@@ -237,7 +238,7 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail,
                     r["series"] = max(r["series"], len(series))
                     if any(math.isfinite(float(s["value"][1])) for s in series):
                         r[choice] = True
-        alerts |= {(a["labels"]["alertname"], a["labels"].get("job", ""), a["state"]) for a in prom.alerts()}
+        alerts |= {(a["labels"]["alertname"], a["labels"].get("rljob", ""), a["state"]) for a in prom.alerts()}
         if run_proc.poll() is not None:
             ended = ended or time.monotonic()
             if time.monotonic() - ended > after_exit:
@@ -251,12 +252,12 @@ def discover(prom: Prometheus, board: dict[str, Any]) -> list[dict[str, str]]:
     """The variable settings a user can pick: each namespace the `namespace` query offers, with its first job."""
     queries = {v["name"]: v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"}
     ns_metric, ns_label = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["namespace"]).groups()
-    job_metric, job_label = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["job"]).groups()
+    job_metric, job_label = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["rljob"]).groups()
     out = []
     for ns in sorted(prom.label_values(ns_label, ns_metric)):
         jobs = sorted(prom.label_values(job_label, substitute(job_metric, {"namespace": ns})))
         if jobs:
-            out.append({"namespace": ns, "job": jobs[0]})
+            out.append({"namespace": ns, "rljob": jobs[0]})
     return out
 
 
@@ -268,10 +269,10 @@ def test_event_queries_with_promtool(tmp_path: Path) -> None:
     $__rate_interval = 1m), must be positive for that move at minute 5, and nowhere positive at minute 3 or 9.
     """
     where = {q.where: q.expr for name, board in BOARDS.items() for q in dashboard_queries(board, name)}
-    queries = {w: substitute(e, {"namespace": ".*", "job": ".*"}, rate_interval="1m") for w, e in where.items()
+    queries = {w: substitute(e, {"namespace": ".*", "rljob": ".*"}, rate_interval="1m") for w, e in where.items()
                if REBALANCES in metric_names(e)}
     assert set(EVENT_ONLY_WHERE) <= set(queries) and len(queries) == 4, sorted(queries)
-    job = 'namespace="ml", job="grpo"'
+    job = 'rljob_namespace="ml", rljob="grpo"'
     move = 'from_role="rollout", to_role="trainer", reason="LongTail"'
     series = [
         {"series": f"{REBALANCES}{{{job}, {move}}}", "values": "0x4 1x10"},
