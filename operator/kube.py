@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
+from specrl.operator import metrics
 
 log = logging.getLogger("specrl.operator.kube")
 
@@ -122,14 +123,19 @@ class KubeClient:
         if body is not None:
             kwargs["json"] = body
             kwargs["headers"] = {"Content-Type": content_type}
-        async with session.request(method, url, **kwargs) as resp:
-            text = await resp.text()
-            if resp.status >= 400:
-                raise ApiError(resp.status, method, url, text)
-            try:
-                return resp.status, (await resp.json(content_type=None)) if text else None
-            except ValueError:
-                return resp.status, text
+        try:
+            async with session.request(method, url, **kwargs) as resp:
+                text = await resp.text()
+                metrics.count_api_request(method, resp.status)
+                if resp.status >= 400:
+                    raise ApiError(resp.status, method, url, text)
+                try:
+                    return resp.status, (await resp.json(content_type=None)) if text else None
+                except ValueError:
+                    return resp.status, text
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            metrics.count_api_request(method, 0)  # no HTTP response at all
+            raise
 
     async def create(self, obj: Mapping[str, Any]) -> bool:
         """Create; False when it already exists (names are deterministic, so that is never a duplicate)."""

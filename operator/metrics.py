@@ -13,17 +13,34 @@ operator pod's namespace, the scrape job), so they would collide unless ``honor_
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+# A registry of our own (tests and several operators in one process stay apart) loses the default collectors:
+# add process_* (CPU, memory, open fds, start time), python_gc_* and python_info back, as a controller's
+# users expect from controller-runtime's and kopf's own metrics.
+for _collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_collector)
 
 RECONCILE_SECONDS = Histogram(
     "specrl_operator_reconcile_duration_seconds",
@@ -38,6 +55,66 @@ API_WRITES = Counter(
     ["verb", "kind"],
     registry=REGISTRY,
 )
+
+RECONCILE_ERRORS = Counter(
+    "specrl_operator_reconcile_errors",
+    "Reconciliations that raised (kopf retries them), by trigger and reason (the Kubernetes status reason of an "
+    "API error, such as Conflict or Forbidden, else the exception type).",
+    ["trigger", "reason"],
+    registry=REGISTRY,
+)
+RECONCILES_IN_FLIGHT = Gauge(
+    "specrl_operator_reconciles_in_flight",
+    "Reconciliations started and not finished, including those waiting for their job's lock (the work queue).",
+    registry=REGISTRY,
+)
+API_REQUESTS = Counter(
+    "specrl_operator_api_requests",
+    "Kubernetes API requests of the operator's own client (operator/kube.py; kopf's watches are not counted), by "
+    "verb and HTTP code (0: no response), as controller-runtime's rest_client_requests_total. Errors are the "
+    "codes >= 400; 409 on a create of a child that exists and 404 on a delete of one that is gone are expected.",
+    ["verb", "code"],
+    registry=REGISTRY,
+)
+
+# HTTP code -> Kubernetes StatusReason (k8s.io/apimachinery metav1.StatusReason), for reconcile error reasons.
+STATUS_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed",
+                  409: "Conflict", 410: "Expired", 413: "RequestEntityTooLarge", 415: "UnsupportedMediaType",
+                  422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
+                  504: "Timeout"}
+VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+
+
+def error_reason(exc: BaseException) -> str:
+    """A bounded label value for an exception: the StatusReason of an API error, else the exception type."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return STATUS_REASONS.get(status, f"HTTP{status}")
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return "Timeout"
+    return type(exc).__name__
+
+
+def count_api_request(method: str, code: int) -> None:
+    API_REQUESTS.labels(VERBS.get(method.upper(), method.lower()), str(code)).inc()
+
+
+@contextmanager
+def reconciling(trigger: str) -> Iterator[None]:
+    """Around one reconciliation: in-flight gauge, duration, and errors by reason (cancellation is no error)."""
+    RECONCILES_IN_FLIGHT.inc()
+    started = time.perf_counter()
+    try:
+        yield
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        RECONCILE_ERRORS.labels(trigger, error_reason(exc)).inc()
+        raise
+    finally:
+        RECONCILES_IN_FLIGHT.dec()
+        RECONCILE_SECONDS.labels(trigger).observe(time.perf_counter() - started)
+
 
 PHASES = ("Pending", "Running", "Suspended", "Complete", "Failed")
 

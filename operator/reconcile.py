@@ -310,19 +310,16 @@ async def _delete_pods(rt: Runtime, owner: children.Owner, names: Iterable[str])
 
 async def reconcile(rt: Runtime, body: Mapping[str, Any], observed: Iterable[PodInfo], trigger: str) -> dict[str, Any]:
     """Converge one job; returns the status patch still to apply (the caller hands it to kopf)."""
-    started = time.perf_counter()
     owner = children.Owner.from_body(body)
     key = (owner.namespace, owner.name)
-    async with rt.lock(key):
-        exp = rt.expectations.setdefault(key, Expectations())
-        pods = {p.name: p for p in observed}
-        exp.apply(owner.name, pods, time.monotonic())
-        local = copy.copy(rt)
-        local.kube = TrackingKube(rt.kube, exp)  # type: ignore[assignment]
-        try:
+    with m.reconciling(trigger):
+        async with rt.lock(key):
+            exp = rt.expectations.setdefault(key, Expectations())
+            pods = {p.name: p for p in observed}
+            exp.apply(owner.name, pods, time.monotonic())
+            local = copy.copy(rt)
+            local.kube = TrackingKube(rt.kube, exp)  # type: ignore[assignment]
             return await _reconcile(local, body, pods, trigger, owner, key)
-        finally:
-            m.RECONCILE_SECONDS.labels(trigger).observe(time.perf_counter() - started)
 
 
 async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodInfo], trigger: str,
