@@ -127,6 +127,7 @@ class _Job:
     conditions: dict[str, tuple[str, bool]] = field(default_factory=dict)  # type -> (reason, status is True)
     rebalances: dict[tuple[str, str, str], float] = field(default_factory=dict)  # (from, to, reason) -> count
     coordinator_errors: float = 0.0
+    pod_failures: int = 0  # status.restarts: pod failures counted against spec.backoffLimit
 
 
 _lock = threading.Lock()  # scrapes run in the metrics server's thread, updates in kopf's event loop
@@ -147,6 +148,8 @@ def observe_job(namespace: str, job: str, status: Mapping[str, Any]) -> None:
             entry.gpus[role] = int(alloc.get("gpus", 0))
         entry.conditions = {str(c["type"]): (str(c.get("reason") or ""), c.get("status") == "True")
                             for c in status.get("conditions") or () if c.get("type")}
+        if status.get("restarts") is not None:
+            entry.pod_failures = int(status["restarts"])
 
 
 def expect_rebalances(namespace: str, job: str, moves: Iterable[tuple[str, str, str]]) -> None:
@@ -198,6 +201,10 @@ class _JobState(Collector):
                                          labels=["rljob_namespace", "rljob", "from_role", "to_role", "reason"])
         errors = CounterMetricFamily("specrl_operator_coordinator_errors",
                                      "Failed polls of a job coordinator's GET /status.", labels=["rljob_namespace", "rljob"])
+        failures = GaugeMetricFamily(
+            "specrl_operator_job_pod_failures",
+            "Pod failures of a job (restarts of its workers) counted against spec.backoffLimit (status.restarts).",
+            labels=["rljob_namespace", "rljob"])
         counts = dict.fromkeys(PHASES, 0)
         for (ns, name), e in sorted(jobs.items()):
             if e.phase:
@@ -210,9 +217,10 @@ class _JobState(Collector):
             for (src, dst, reason), n in sorted(e.rebalances.items()):
                 rebalances.add_metric([ns, name, src, dst, reason], n)
             errors.add_metric([ns, name], e.coordinator_errors)
+            failures.add_metric([ns, name], e.pod_failures)
         for phase, n in sorted(counts.items()):
             phases.add_metric([phase], n)
-        yield from (phases, replicas, gpus, conditions, rebalances, errors)
+        yield from (phases, replicas, gpus, conditions, rebalances, errors, failures)
 
 
 REGISTRY.register(_JobState())

@@ -560,6 +560,7 @@ class JobCoordinator:
         wm.spec_num_drafts.inc(max(0.0, st.get("drafts", 0.0)))
         wm.spec_num_draft_tokens.inc(max(0.0, st.get("draft_tokens", 0.0)))
         wm.spec_num_accepted_tokens.inc(max(0.0, st.get("accepted_tokens", 0.0)))
+        wm.count_accepted_per_position(st)
         errors_now = int(out.get("reward_errors", 0))  # the worker's running total
         prev = self._reward_errors.get(name, 0)
         if errors_now > prev:

@@ -72,6 +72,8 @@ class MetricSpec:
     kind: Kind
     help: str
     buckets: tuple[float, ...] = ()
+    extra_labels: tuple[str, ...] = ()  # beyond LABELS; such a family's children are made on first use...
+    first: tuple[str, ...] = ()  # ...except this one (extra label values), created at 0 with the others
 
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -109,8 +111,13 @@ METRICS: tuple[MetricSpec, ...] = (
                "Draft tokens accepted by the target."),
     MetricSpec("spec_decode_enabled", "specrl_spec_decode_enabled", "gauge",
                "1 while speculative decoding is switched on, else 0."),
-    MetricSpec("spec_decode_draft_length", "specrl_spec_decode_draft_length", "gauge",
-               "Current number of speculative tokens per draft (gamma)."),
+    MetricSpec("spec_decode_draft_length", "specrl_spec_decode_draft_length_tokens", "gauge",
+               "Current number of speculative tokens per draft (gamma), in tokens; 0 while speculation is off."),
+    # vLLM's vllm:spec_decode_num_accepted_tokens_per_pos: how many drafts had their token at `position`
+    # (0-based) accepted; position i over num_drafts is the acceptance rate at depth i.
+    MetricSpec("spec_num_accepted_tokens_per_pos", "specrl_spec_decode_num_accepted_tokens_per_pos_total",
+               "counter", "Accepted draft tokens by position in the draft (0 = first).", extra_labels=("position",),
+               first=("0",)),
     # trainer
     MetricSpec("trainer_step", "specrl_trainer_step", "gauge", "Last completed RL training step."),
     MetricSpec("trainer_step_duration", "specrl_trainer_step_duration_seconds", "histogram",
@@ -145,6 +152,9 @@ def _sample_names(spec: MetricSpec) -> set[str]:
     return {spec.name}
 
 
+# Keys of an engine stats snapshot holding accepted tokens per draft position (`accepted_tokens_pos_0`, ...).
+ACCEPTED_POS_PREFIX = "accepted_tokens_pos_"
+
 # Full sample names as they appear in the text exposition (`_total`, `_bucket`, `_sum`, `_count` included).
 METRIC_NAMES: frozenset[str] = frozenset(n for s in METRICS for n in _sample_names(s))
 # Family names (what `# TYPE` lines carry; counters without `_total`).
@@ -157,12 +167,13 @@ _families_lock = threading.Lock()
 
 
 def _create(spec: MetricSpec, registry: CollectorRegistry) -> _Metric:
+    labels = LABELS + spec.extra_labels
     if spec.kind == "gauge":
-        return Gauge(spec.name, spec.help, LABELS, registry=registry)
+        return Gauge(spec.name, spec.help, labels, registry=registry)
     if spec.kind == "counter":
         # prometheus_client appends _total itself and strips it from the family name.
-        return Counter(spec.name, spec.help, LABELS, registry=registry)
-    return Histogram(spec.name, spec.help, LABELS, registry=registry, buckets=spec.buckets)
+        return Counter(spec.name, spec.help, labels, registry=registry)
+    return Histogram(spec.name, spec.help, labels, registry=registry, buckets=spec.buckets)
 
 
 def families(registry: CollectorRegistry) -> dict[str, _Metric]:
@@ -217,8 +228,15 @@ class RuntimeMetrics:
             if not isinstance(value, str) or not value:
                 raise ValueError(f"RuntimeMetrics: label {label!r} must be a non-empty string, got {value!r}")
         self.registry: CollectorRegistry = registry if registry is not None else CollectorRegistry()
-        for attr, family in families(self.registry).items():
-            setattr(self, attr, family.labels(**self.labels))
+        self._extra: dict[str, set[tuple[str, ...]]] = {}  # attr -> extra label values in use
+        for spec in METRICS:
+            family = families(self.registry)[spec.attr]
+            if spec.extra_labels:
+                self._extra[spec.attr] = set()
+                if spec.first:
+                    self.child(spec.attr, *spec.first)
+            else:
+                setattr(self, spec.attr, family.labels(**self.labels))
         self.start_time.set(time.time())
         # No evaluation has run yet: a gap on the dashboard, not a misleading 0% accuracy.
         self.eval_accuracy.set(float("nan"))
@@ -233,13 +251,26 @@ class RuntimeMetrics:
         return cls(job=job, namespace=os.environ.get("SPECRL_NAMESPACE") or "default", role=role,
                    worker=worker, registry=registry)
 
+    def child(self, attr: str, *extra: str) -> _Metric:
+        """The child of a family with extra labels (e.g. `position`), bound to this worker's labels."""
+        self._extra[attr].add(extra)
+        return families(self.registry)[attr].labels(*self.labels.values(), *extra)
+
+    def count_accepted_per_position(self, stats: dict[str, float]) -> None:
+        """Add an engine stats delta's `accepted_tokens_pos_<i>` counts (rollout_worker.stats_snapshot)."""
+        for key, value in stats.items():
+            if key.startswith(ACCEPTED_POS_PREFIX) and value > 0:
+                self.child("spec_num_accepted_tokens_per_pos", key[len(ACCEPTED_POS_PREFIX):]).inc(value)
+
     def remove(self) -> None:
         """Drop this worker's series from the registry (a retired worker must not linger on dashboards)."""
-        for family in families(self.registry).values():
-            try:
-                family.remove(*(self.labels[name] for name in LABELS))
-            except KeyError:
-                pass
+        own = tuple(self.labels[name] for name in LABELS)
+        for attr, family in families(self.registry).items():
+            for extra in self._extra.get(attr, {()}):
+                try:
+                    family.remove(*own, *extra)
+                except KeyError:
+                    pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

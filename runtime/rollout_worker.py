@@ -31,7 +31,11 @@ def _stat(stats: Any, name: str) -> float:
 def stats_snapshot(stats: Any) -> dict[str, float]:
     keys = ("drafts", "draft_tokens", "accepted_tokens", "target_forwards", "generated_tokens", "sd_steps",
             "ar_steps", "decode_seconds", "prefill_seconds")
-    return {k: _stat(stats, k) for k in keys}
+    out = {k: _stat(stats, k) for k in keys}
+    # Per-position acceptance (the native engine; backends without it export none).
+    for i, n in enumerate(getattr(stats, "accepted_per_position", None) or ()):
+        out[f"accepted_tokens_pos_{i}"] = float(n)
+    return out
 
 
 def stats_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -218,6 +222,7 @@ class RolloutWorker:
             m.spec_num_drafts.inc(delta.get("drafts", 0))
             m.spec_num_draft_tokens.inc(delta.get("draft_tokens", 0))
             m.spec_num_accepted_tokens.inc(delta.get("accepted_tokens", 0))
+            m.count_accepted_per_position(delta)
         return {"worker": self.name, "samples": samples, "seconds": seconds, "tokens": tokens,
                 "stats": delta, "weight_version": version, "reward_errors": self.reward.errors}
 

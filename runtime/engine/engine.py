@@ -104,6 +104,8 @@ class EngineStats:
     sd_steps: int = 0
     ar_steps: int = 0
     requests_completed: int = 0
+    # accepted_per_position[i]: drafts whose token at position i was accepted (vLLM num_accepted_tokens_per_pos)
+    accepted_per_position: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
     steps: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=100_000))
@@ -446,6 +448,11 @@ class RolloutEngine:
         self.stats.drafts += sum(1 for n in lens if n > 0)
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
+        per_pos = self.stats.accepted_per_position
+        for n in nacc:
+            per_pos.extend([0] * (n - len(per_pos)))
+            for j in range(n):
+                per_pos[j] += 1
         self.stats.target_forwards += 1
         self.stats.sd_steps += 1
         t2 = time.perf_counter()

@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 DS = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 SEL = 'rljob_namespace=~"$namespace", rljob=~"$rljob"'
 RATE = "$__rate_interval"
+TOKENS_PER_S = "suffix: tokens/s"  # Grafana custom unit: Grafana has no built-in token unit
 SCHEMA_VERSION = 39
 
 
@@ -75,12 +76,41 @@ def mean_of_histogram(metric: str, by: str = "rljob_namespace, rljob", sel: str 
 
 
 JOB_ROWS: list[Row] = [
+    Row("What goes wrong", [
+        Panel("Weight-sync failures",
+              "Aborted weight syncs per second, by role; the receivers kept their previous weights (the rollout then "
+              "runs on stale weights: see staleness).",
+              [Target(f"sum by (rljob_namespace, rljob, role) (increase(specrl_weight_sync_failures_total{{{SEL}}}[{RATE}]))",
+                      "{{rljob}} {{role}}")],
+              kind="barchart-ts"),
+        Panel("Reward errors",
+              "Reward-function calls that raised (the sample got reward 0), per worker.",
+              [Target(f"sum by (rljob_namespace, rljob, worker) (increase(specrl_reward_errors_total{{{SEL}}}[{RATE}]))",
+                      "{{worker}}")],
+              kind="barchart-ts"),
+        Panel("Requeued prompts",
+              "Prompts put back in the queue because their rollout worker was drained or died.",
+              [Target(f"sum by (rljob_namespace, rljob) (increase(specrl_rollout_prompts_requeued_total{{{SEL}}}[{RATE}]))",
+                      "{{rljob}}")],
+              kind="barchart-ts"),
+        Panel("Weight staleness (versions)",
+              "Policy versions each rollout worker lags behind the trainer; async mode allows up to "
+              "spec.maxStaleness, sync mode should stay at 0.",
+              [Target(f"max by (rljob_namespace, rljob, worker) (specrl_rollout_weight_staleness_versions{{{SEL}}})",
+                      "{{worker}}")]),
+        Panel("Malformed dataset lines",
+              "Dataset lines skipped because they could not be parsed (total since the workers started).",
+              [Target(f"max by (rljob_namespace, rljob) (specrl_dataset_malformed_lines_total{{{SEL}}})", "{{rljob}}")]),
+        Panel("Pod failures",
+              "Failed worker pods the operator restarted, counted against spec.backoffLimit (the job fails beyond it).",
+              [Target(f"max by (rljob_namespace, rljob) (specrl_operator_job_pod_failures{{{SEL}}})", "{{rljob}}")]),
+    ]),
     Row("Rollout", [
         Panel("Rollout throughput (tokens/s)",
               "Response tokens generated per second by the job's rollout workers (all workers, and per worker).",
               [Target(rate("specrl_rollout_generated_tokens_total"), "{{rljob}} total"),
                Target(rate("specrl_rollout_generated_tokens_total", "rljob_namespace, rljob, worker"), "{{worker}}")],
-              unit="short"),
+              unit=TOKENS_PER_S),
         Panel("Speculative acceptance rate",
               "Share of proposed draft tokens the target accepted: rate(accepted) / rate(draft tokens), as vLLM "
               "computes it. Low values mean a stale or weak drafter.",
@@ -98,10 +128,19 @@ JOB_ROWS: list[Row] = [
               "the active batch is small (memory-bound decode, e.g. the long tail) and off at large batch.",
               [Target(f'avg by (rljob_namespace, rljob) (specrl_spec_decode_enabled{{{SEL}, role="rollout"}})', "{{rljob}}")],
               unit="percentunit", max=1),
-        Panel("Draft length",
-              "Speculative tokens per draft (gamma) per rollout worker; adapts to the running acceptance rate.",
-              [Target(f'max by (rljob_namespace, rljob, worker) (specrl_spec_decode_draft_length{{{SEL}, role="rollout"}})',
-                      "{{worker}}")]),
+        Panel("Draft length (tokens)",
+              "Speculative tokens per draft (gamma) per rollout worker, 0 while speculation is off; adapts to the "
+              "running acceptance rate.",
+              [Target(f'max by (rljob_namespace, rljob, worker) '
+                      f'(specrl_spec_decode_draft_length_tokens{{{SEL}, role="rollout"}})', "{{worker}}")]),
+        Panel("Acceptance rate by draft position",
+              "Share of drafts whose token at position i (0 = first) was accepted, as vLLM's "
+              "spec_decode_num_accepted_tokens_per_pos over num_drafts: where along the draft the drafter loses "
+              "the target. Each position is at most the one before it.",
+              [Target(f"{rate('specrl_spec_decode_num_accepted_tokens_per_pos_total', 'rljob_namespace, rljob, position')}"
+                      f" / ignoring (position) group_left "
+                      f"{rate('specrl_spec_decode_num_drafts_total')}", "{{rljob}} position {{position}}")],
+              unit="percentunit", max=1),
         Panel("Rollout queue depth",
               "Prompts waiting in the coordinator queue. A growing queue pulls GPUs towards rollout.",
               [Target(f"sum by (rljob_namespace, rljob) (specrl_rollout_queue_depth{{{SEL}}})", "{{rljob}}")]),
@@ -178,6 +217,10 @@ JOB_ROWS: list[Row] = [
               [Target(f"avg by (rljob_namespace, rljob) (specrl_trainer_reward_mean{{{SEL}}})", "reward {{rljob}}"),
                Target(f"max by (rljob_namespace, rljob) (specrl_eval_accuracy_ratio{{{SEL}}})", "held-out accuracy {{rljob}}")],
               min=None),
+        Panel("Trainer loss",
+              "Policy (GRPO) loss of the last training step; a NaN or a sudden jump shows here first.",
+              [Target(f"avg by (rljob_namespace, rljob) (specrl_trainer_loss{{{SEL}}})", "policy {{rljob}}")],
+              min=None),
         Panel("Training step",
               "Last completed RL step.",
               [Target(f"max by (rljob_namespace, rljob) (specrl_trainer_step{{{SEL}}})", "{{rljob}}")]),
@@ -201,6 +244,31 @@ OPERATOR_ROWS: list[Row] = [
               [Target(quantile(q, "specrl_operator_reconcile_duration_seconds", "trigger", ""), f"p{int(q * 100)} "
                       "{{trigger}}") for q in (0.5, 0.95, 0.99)],
               unit="s"),
+        Panel("Reconcile errors by reason",
+              "Reconciliations that raised (kopf retries them), by trigger and reason: the Kubernetes status reason "
+              "of an API error (Conflict, Forbidden, ...) or the exception type.",
+              [Target(f"sum by (trigger, reason) (increase(specrl_operator_reconcile_errors_total[{RATE}]))",
+                      "{{trigger}} {{reason}}")],
+              kind="barchart-ts"),
+        Panel("Reconciles in flight",
+              "Reconciliations started and not finished, including those waiting for their job's lock (the queue).",
+              [Target("sum (specrl_operator_reconciles_in_flight)", "in flight")]),
+        Panel("Kubernetes API errors by verb and code",
+              "Requests of the operator's own client answered with an HTTP error (code 0: no answer), per second. "
+              "409 on create and 404 on delete are expected (the child exists / is gone already).",
+              [Target(f'sum by (verb, code) (rate(specrl_operator_api_requests_total{{code!~"2.."}}[{RATE}]))',
+                      "{{verb}} {{code}}")],
+              unit="reqps"),
+        Panel("Operator memory and CPU",
+              "Resident memory and CPU of the operator process (its process_* metrics, selected by the scrape "
+              "target that serves specrl_operator_*).",
+              [Target("process_resident_memory_bytes * on (job, instance) group_left () "
+                      "group by (job, instance) (specrl_operator_reconciles_in_flight)", "memory {{instance}}"),
+               Target(f"rate(process_cpu_seconds_total[{RATE}]) * on (job, instance) group_left () "
+                      "group by (job, instance) (specrl_operator_reconciles_in_flight)", "CPU {{instance}}")],
+              unit="bytes", extra={"overrides": [{"matcher": {"id": "byRegexp", "options": "CPU.*"},
+                                                  "properties": [{"id": "unit", "value": "percentunit"},
+                                                                 {"id": "custom.axisPlacement", "value": "right"}]}]}),
         Panel("Kubernetes API writes",
               "Writes the operator sends to the API server for children and status, by verb and kind.",
               [Target(f"sum by (verb, kind) (rate(specrl_operator_api_writes_total[{RATE}]))", "{{verb}} {{kind}}")],
@@ -257,7 +325,7 @@ def panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
         "description": p.description,
         "datasource": DS,
         "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
-        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "fieldConfig": {"defaults": defaults, "overrides": p.extra.get("overrides", [])},
         "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
                     "tooltip": {"mode": "multi", "sort": "desc"}},
         "targets": [
@@ -351,7 +419,7 @@ def dashboards() -> dict[str, dict[str, Any]]:
         "job.json": dashboard(
             "specrl-job", "specrl / job",
             "One RLJob: rollout throughput and speculative decoding, queue and long tail, GPUs per role, "
-            "rebalances and conditions, weight sync, training.", JOB_ROWS, "specrl_rollout_queue_depth", [REBALANCE_ANNOTATION]),
+            "rebalances and conditions, weight sync, training; first what goes wrong.", JOB_ROWS, "specrl_rollout_queue_depth", [REBALANCE_ANNOTATION]),
         "operator.json": dashboard(
             "specrl-operator", "specrl / operator",
             "The specrl operator: reconciliation rate and latency, rebalances, jobs by phase and condition, GPUs.", OPERATOR_ROWS,

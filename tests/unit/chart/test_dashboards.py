@@ -186,3 +186,29 @@ def test_operator_metric_labels_match_what_the_dashboards_group_by() -> None:
     assert labels["specrl_operator_allocation_gpus"] == {"rljob_namespace", "rljob", "role"}
     assert labels["specrl_operator_job_condition"] == {"rljob_namespace", "rljob", "condition", "reason"}
     assert labels["specrl_operator_rebalance_total"] == {"rljob_namespace", "rljob", "from_role", "to_role", "reason"}
+
+
+def test_dashboards_show_what_goes_wrong_with_units() -> None:
+    panels = {p["title"]: p for board in BOARDS.values() for p in iter_panels(board["panels"])}
+    reads = {title: " ".join(t["expr"] for t in p.get("targets") or []) for title, p in panels.items()}
+    for title, metric in (("Weight-sync failures", "specrl_weight_sync_failures_total"),
+                          ("Reward errors", "specrl_reward_errors_total"),
+                          ("Requeued prompts", "specrl_rollout_prompts_requeued_total"),
+                          ("Weight staleness (versions)", "specrl_rollout_weight_staleness_versions"),
+                          ("Malformed dataset lines", "specrl_dataset_malformed_lines_total"),
+                          ("Pod failures", "specrl_operator_job_pod_failures"),
+                          ("Trainer loss", "specrl_trainer_loss"),
+                          ("Draft length (tokens)", "specrl_spec_decode_draft_length_tokens"),
+                          ("Acceptance rate by draft position", "specrl_spec_decode_num_accepted_tokens_per_pos_total"),
+                          ("Reconcile errors by reason", "specrl_operator_reconcile_errors_total"),
+                          ("Reconciles in flight", "specrl_operator_reconciles_in_flight"),
+                          ("Kubernetes API errors by verb and code", "specrl_operator_api_requests_total"),
+                          ("Operator memory and CPU", "process_resident_memory_bytes")):
+        assert metric in reads[title], title
+    assert panels["Rollout throughput (tokens/s)"]["fieldConfig"]["defaults"]["unit"] == "suffix: tokens/s"
+    # The first row of the job dashboard is the failures row.
+    assert BOARDS["job.json"]["panels"][0]["title"] == "What goes wrong"
+    # Nothing selects on the target labels `job`/`namespace` (they are the scrape job's and the pod's).
+    for board in BOARDS.values():
+        for q in dashboard_queries(board, "x"):
+            assert not re.search(r"(?<![_a-z])(job|namespace)\s*(=~|=|!=)", q.expr), q.expr

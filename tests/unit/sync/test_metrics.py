@@ -15,7 +15,7 @@ DESIGN_METRICS = {
     "specrl_rollout_response_length_tokens_bucket", "specrl_rollout_response_length_tokens_sum",
     "specrl_rollout_response_length_tokens_count",
     "specrl_spec_decode_num_drafts_total", "specrl_spec_decode_num_draft_tokens_total",
-    "specrl_spec_decode_num_accepted_tokens_total", "specrl_spec_decode_enabled", "specrl_spec_decode_draft_length",
+    "specrl_spec_decode_num_accepted_tokens_total", "specrl_spec_decode_enabled", "specrl_spec_decode_draft_length_tokens",
     "specrl_trainer_step", "specrl_trainer_step_duration_seconds_count", "specrl_trainer_reward_mean",
     "specrl_trainer_backlog_samples",
     "specrl_weight_sync_duration_seconds_bucket", "specrl_weight_sync_bytes_total", "specrl_weight_version",
@@ -104,3 +104,15 @@ def test_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_empty_label_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="'worker'"):
         RuntimeMetrics("j", "ns", "rollout", "")
+
+
+def test_accepted_tokens_per_position_like_vllm() -> None:
+    m = RuntimeMetrics("j", "ns", "rollout", "j-rollout-0")
+    # what rollout_worker.stats_delta gives for three drafts accepting 2, 1 and 0 tokens
+    m.count_accepted_per_position({"accepted_tokens": 3.0, "accepted_tokens_pos_0": 2.0, "accepted_tokens_pos_1": 1.0,
+                                   "accepted_tokens_pos_2": 0.0})
+    per_pos = {s.labels["position"]: s.value for s in _samples(render(m.registry)[0])
+               if s.name == "specrl_spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos == {"0": 2.0, "1": 1.0}
+    m.remove()
+    assert not [s for s in _samples(render(m.registry)[0]) if s.name.startswith("specrl_spec_decode_num_accepted")]
