@@ -1,15 +1,15 @@
 """`helm test` check of a specrl release: the RLJob CRD is Established and the operator answers /healthz.
 
-Runs in the operator image (it has the kubernetes client) under the operator's ServiceAccount, which may
-`list` CRDs (kopf needs that), so the test needs no RBAC of its own. Standard library plus `kubernetes`; every
-failure prints one line naming what is wrong and exits 1.
+Runs in the operator image under the operator's ServiceAccount, which may `list` CRDs (kopf needs that), so the
+test needs no RBAC of its own. It logs in and talks to the API server the way the operator does (kopf's login,
+`specrl.operator.kube`), so the image needs no other Kubernetes client; every failure prints one line naming what
+is wrong and exits 1.
 
 Environment: SPECRL_TEST_CRD (CRD name), SPECRL_TEST_HEALTH_URL, SPECRL_TEST_TIMEOUT (seconds).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -18,16 +18,31 @@ import urllib.request
 
 
 def crd_established(name: str) -> tuple[bool, str]:
-    from kubernetes import client, config
+    # The operator's own login (kopf's: service account in a pod, else $KUBECONFIG) and HTTP client.
+    import asyncio
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()  # outside a cluster (the chart's own tests): $KUBECONFIG
-    api = client.ApiextensionsV1Api()
-    found = api.list_custom_resource_definition(field_selector=f"metadata.name={name}", _preload_content=False)
+    import kopf
+    from specrl.operator.kube import KubeClient
 
-    items = [i for i in json.loads(found.data).get("items", []) if i.get("metadata", {}).get("name") == name]
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        return False, "no Kubernetes credentials (no service account token and no kubeconfig)"
+
+    async def list_crds() -> dict:
+        kube = KubeClient(info)
+        try:
+            session = await kube.session()
+            url = f"{str(info.server).rstrip('/')}/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+            async with session.get(url) as resp:
+                if resp.status >= 400:
+                    raise RuntimeError(f"GET {url} -> HTTP {resp.status}")
+                return await resp.json(content_type=None)
+        finally:
+            await kube.close()
+
+    found = asyncio.run(list_crds())
+    items = [i for i in (found or {}).get("items") or [] if i.get("metadata", {}).get("name") == name]
     if not items:
         return False, f"CRD {name} not found (install the chart without --skip-crds, or apply crds/)"
     conditions = (items[0].get("status") or {}).get("conditions") or []

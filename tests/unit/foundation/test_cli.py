@@ -146,3 +146,28 @@ def test_base_install_runtime_commands_say_what_to_install(args: tuple[str, ...]
     assert proc.returncode == 1
     assert proc.stderr.strip().endswith("install the runtime extra: pip install 'specrl[runtime]'")
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_operator_and_hook_need_no_kubernetes_client() -> None:
+    # The operator's client is its own adapter on kopf's login (operator/README.md); `kubernetes` is a test extra.
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("kubernetes") for d in meta["dependencies"])
+    # kopf imports the official client when it is installed (to offer its login); the operator must not need it.
+    code = textwrap.dedent("""
+        import importlib.abc, runpy, sys
+        class NoKubernetesClient(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {"kubernetes", "pykube"}:
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        sys.meta_path.insert(0, NoKubernetesClient())
+        import specrl.operator.main, specrl.operator.handlers, specrl.operator.kube
+        hook = runpy.run_path("charts/specrl/files/helm-test.py", run_name="hook")
+        ok, message = hook["crd_established"]("rljobs.specrl.io")
+        assert not ok and "credentials" in message, message
+    """)
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False, env=env)
+    assert proc.returncode == 0, proc.stderr
