@@ -185,7 +185,7 @@ def _resolve(command: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _is_runtime_dependency(exc: ModuleNotFoundError) -> bool:
-    return bool(exc.name) and exc.name.split(".")[0] in RUNTIME_MODULES
+    return exc.name is not None and exc.name.split(".")[0] in RUNTIME_MODULES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,7 +84,7 @@ def _models(root: type[BaseModel]) -> dict[str, type[BaseModel]]:
 
 def _factory_defaults(model: type[BaseModel]) -> dict[str, Any]:
     """alias -> JSON default for fields with a default_factory (nested models become `{}`)."""
-    out = {}
+    out: dict[str, Any] = {}
     for name, field in model.model_fields.items():
         if field.default_factory is None:
             continue
@@ -93,7 +93,7 @@ def _factory_defaults(model: type[BaseModel]) -> dict[str, Any]:
         if isinstance(value, BaseModel):
             out[alias] = {}  # the server fills the nested defaults from the nested schema
         else:
-            dumped = TypeAdapter(field.annotation).dump_python(value, mode="json", by_alias=True)
+            dumped = TypeAdapter(field.annotation or Any).dump_python(value, mode="json", by_alias=True)
             if dumped not in ({}, []):  # absent means empty: keep stored objects small
                 out[alias] = dumped
     return out
@@ -125,12 +125,13 @@ def _inline(node: dict[str, Any], defs: dict[str, Any]) -> tuple[dict[str, Any],
 def _structural(node: dict[str, Any], defs: dict[str, Any], models: dict[str, type[BaseModel]],
                 *, status: bool) -> dict[str, Any]:
     node, model = _inline(node, defs)
+    out: dict[str, Any]
     if node.get("x-kubernetes-int-or-string"):
         out = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
         if "description" in node:
             out["description"] = node["description"]
         return out
-    out: dict[str, Any] = {}
+    out = {}
     for key, value in node.items():
         if key in _DROP or key in ("properties", "items", "required", "default", "const",
                                    "exclusiveMinimum", "exclusiveMaximum"):

@@ -260,7 +260,9 @@ class RuntimeMetrics:
         """Add an engine stats delta's `accepted_tokens_pos_<i>` counts (rollout_worker.stats_snapshot)."""
         for key, value in stats.items():
             if key.startswith(ACCEPTED_POS_PREFIX) and value > 0:
-                self.child("spec_num_accepted_tokens_per_pos", key[len(ACCEPTED_POS_PREFIX):]).inc(value)
+                counter = self.child("spec_num_accepted_tokens_per_pos", key[len(ACCEPTED_POS_PREFIX):])
+                assert isinstance(counter, Counter)
+                counter.inc(value)
 
     def remove(self) -> None:
         """Drop this worker's series from the registry (a retired worker must not linger on dashboards)."""

@@ -7,6 +7,14 @@ selectors stay consistent. Regenerate after editing::
     python charts/specrl/dashboards/generate.py          # rewrite the JSON
     python charts/specrl/dashboards/generate.py --check  # exit 1 when the JSON is stale (used by the tests)
 
+Why a hand-written generator and not a library: grafana-foundation-sdk (Grafana's builders) is on PyPI, but as an
+alpha (development status 3), for Python >= 3.11 (the project supports 3.10), with the types of Grafana 10.1 in
+its latest PyPI release, and without the ``__inputs``/``__requires`` blocks a dashboard needs for a manual import
+(we would post-process its output anyway). grafanalib's last release is from January 2024. What makes these
+dashboards right is the panel table below, the PromQL helpers, and the tests that parse every expression with
+promtool and run it on a real Prometheus; a library would replace only the ~100 lines of JSON layout
+(``panel_json``, ``layout``, ``variable``, ``dashboard``), at the price of a dependency pinned to Grafana versions.
+
 Conventions (those of vLLM's and kube-prometheus-stack's dashboards):
 
 * datasource ``${DS_PROMETHEUS}``: declared in ``__inputs`` for a manual import, and as a datasource template
@@ -247,8 +255,9 @@ OPERATOR_ROWS: list[Row] = [
         Panel("Reconcile errors by reason",
               "Reconciliations that raised (kopf retries them), by trigger and reason: the Kubernetes status reason "
               "of an API error (Conflict, Forbidden, ...) or the exception type.",
-              [Target(f"sum by (trigger, reason) (increase(specrl_operator_reconcile_errors_total[{RATE}]))",
-                      "{{trigger}} {{reason}}")],
+              # `or on () vector(0)`: a flat 0 while nothing failed (error series only exist once one happened).
+              [Target(f"sum by (trigger, reason) (increase(specrl_operator_reconcile_errors_total[{RATE}])) "
+                      "or on () vector(0)", "{{trigger}} {{reason}}")],
               kind="barchart-ts"),
         Panel("Reconciles in flight",
               "Reconciliations started and not finished, including those waiting for their job's lock (the queue).",
@@ -256,8 +265,8 @@ OPERATOR_ROWS: list[Row] = [
         Panel("Kubernetes API errors by verb and code",
               "Requests of the operator's own client answered with an HTTP error (code 0: no answer), per second. "
               "409 on create and 404 on delete are expected (the child exists / is gone already).",
-              [Target(f'sum by (verb, code) (rate(specrl_operator_api_requests_total{{code!~"2.."}}[{RATE}]))',
-                      "{{verb}} {{code}}")],
+              [Target(f'sum by (verb, code) (rate(specrl_operator_api_requests_total{{code!~"2.."}}[{RATE}])) '
+                      "or on () vector(0)", "{{verb}} {{code}}")],
               unit="reqps"),
         Panel("Operator memory and CPU",
               "Resident memory and CPU of the operator process (its process_* metrics, selected by the scrape "
