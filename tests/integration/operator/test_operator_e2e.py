@@ -274,8 +274,8 @@ def test_rebalance_trace_moves_roles_with_drains_before_deletions(kube: KubeEnv,
     # Per job and direction, exactly the moves of the trace; every other move this job could make exists at 0.
     assert totals == {**dict.fromkeys(possible_moves("async"), 0.0), ("trainer", "rollout", "QueueBacklog"): 4,
                       ("rollout", "trainer", "LongTail"): 4, ("rollout", "trainer", "TrainerBacklog"): 2}
-    assert f'specrl_operator_allocation_replicas{{job="{name}",namespace="{ns}",role="trainer"}} 5.0' in text
-    assert f'specrl_operator_allocation_gpus{{job="{name}",namespace="{ns}",role="rollout"}} 1.0' in text
+    assert f'specrl_operator_allocation_replicas{{rljob="{name}",rljob_namespace="{ns}",role="trainer"}} 5.0' in text
+    assert f'specrl_operator_allocation_gpus{{rljob="{name}",rljob_namespace="{ns}",role="rollout"}} 1.0' in text
     # One series per condition, mirroring the status: 1 when True, under its current reason.
     def exported() -> dict[str, tuple[str, float]]:
         return {s["condition"]: (s["reason"], v) for s, v in

@@ -273,7 +273,7 @@ def test_pod_entrypoints_run_a_job_as_separate_processes(cluster: Cluster):
     code, body = _get(f"{url}/metrics")
     text = body.decode()
     assert code == 200
-    labels = f'job="{JOB}",namespace="{NAMESPACE}"'
+    labels = f'rljob="{JOB}",rljob_namespace="{NAMESPACE}"'
     series = [ln for ln in text.splitlines() if labels in ln and not ln.startswith("#")]
     assert series, text[:2000]
 
