@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# specrl operator image: Python + kopf + the kubernetes client, no torch (the operator never imports it).
+# specrl operator image: Python + kopf (its login and our aiohttp adapter reach the API server), no torch (the operator
+# never imports it) and no kubernetes client (operator/README.md).
 #
 #   docker build -f images/operator.Dockerfile -t ghcr.io/specrl/specrl-operator:0.1.0 .
 #
