@@ -75,6 +75,7 @@ def test_every_command_has_its_own_help_documenting_each_argument() -> None:
     ("nosuchcommand",),
     ("run", str(TINY), "--steps", "0"),
     ("operator", "--metrics-port", "70000"),
+    ("operator", "--default-job-image", "not an image"),
     ("bench", "sync", "--repeats", "0"),
     ("simulate",),
     ("simulate", "--preset", "nope"),

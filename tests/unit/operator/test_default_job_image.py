@@ -1,0 +1,60 @@
+"""The operator's default job image (`--default-job-image`, the chart's `jobImage`): used for jobs that name no
+image, recorded per job, and never swapped under a running job when the default changes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from specrl.operator import children
+from specrl.operator.reconcile import PodInfo, reconcile
+from specrl.operator.status import get_condition
+from specrl.runtime.api import DEFAULT_IMAGE, RLJob
+
+from .test_reconcile import JOB, env, run  # noqa: F401 - `env` is a fixture
+
+MIRROR = "registry.internal/mirror/specrl:0.1.0"
+
+
+def _pod_images(kube) -> set[str]:
+    return {c["image"] for (kind, _), obj in kube.objects.items() if kind == "Pod"
+            for c in obj["spec"]["containers"]}
+
+
+def test_image_of_prefers_the_job_then_the_operator_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    unset = RLJob.model_validate(JOB)
+    assert unset.spec.resources.image is None
+    monkeypatch.delenv(children.DEFAULT_JOB_IMAGE_ENV, raising=False)
+    assert children.image_of(unset) == DEFAULT_IMAGE
+    monkeypatch.setenv(children.DEFAULT_JOB_IMAGE_ENV, MIRROR)
+    assert children.image_of(unset) == MIRROR
+    own = copy.deepcopy(JOB)
+    own["spec"]["resources"]["image"] = "example/own:1"
+    assert children.image_of(RLJob.model_validate(own)) == "example/own:1"
+
+
+async def test_a_running_job_keeps_the_image_it_started_with(env, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    rt, kube, _coord, _events, clock = env
+    monkeypatch.setenv(children.DEFAULT_JOB_IMAGE_ENV, MIRROR)
+    body = copy.deepcopy(JOB)
+    await run(rt, kube, body, "create")
+    assert _pod_images(kube) == {MIRROR}
+    assert body["status"]["applied"]["image"] == MIRROR
+    # The chart's jobImage changes (helm upgrade): the running job is not Degraded and new pods keep its image.
+    monkeypatch.setenv(children.DEFAULT_JOB_IMAGE_ENV, "registry.internal/mirror/specrl:0.2.0")
+    # A worker pod fails: the operator deletes it and, after the restart backoff, creates it again.
+    (failed,) = [p for p in kube.pods() if p.name == "j-rollout-1"]
+    others = [p for p in kube.pods() if p.name != "j-rollout-1"]
+    bad = PodInfo(failed.name, "rollout", 1, failed.uid, "Failed", False, "Error (exit code 1)")
+    patch = await reconcile(rt, body, [*others, bad], "timer")
+    body["status"].update({k: v for k, v in patch.items() if v is not None})
+    for p in kube.status_patches:
+        body["status"].update({k: v for k, v in p.items() if v is not None})
+    kube.status_patches.clear()
+    assert ("Pod", "j-rollout-1") not in kube.objects
+    clock.t += 11
+    await run(rt, kube, body, "timer")
+    assert ("Pod", "j-rollout-1") in kube.objects
+    assert get_condition(body["status"], "Degraded") is None or \
+        get_condition(body["status"], "Degraded")["status"] == "False"
+    assert _pod_images(kube) == {MIRROR}
