@@ -773,6 +773,7 @@ class FileCheck:
     jobs: list[RLJob]
     problems: list[Problem]
     skipped: list[str]  # "Kind/name" of each document that is not an RLJob (a Service beside the job)
+    none_found: bool = False  # the stream parsed but holds no RLJob (the one problem then says so)
 
 
 def _is_foreign(doc: Any) -> bool:
@@ -813,8 +814,9 @@ def check_text(text: str, source: str) -> FileCheck:
     ours = [(i, d) for i, d in enumerate(docs) if not _is_foreign(d)]
     if not ours:
         other = f" (skipped {', '.join(skipped)})" if skipped else " (the file is empty)"
-        return FileCheck([], [Problem(source, "", "", f"no RLJob found{other}")], skipped)
-    jobs, problems = [], []
+        return FileCheck([], [Problem(source, "", "", f"no RLJob found{other}")], skipped, none_found=True)
+    jobs: list[RLJob] = []
+    problems: list[Problem] = []
     for i, doc in ours:
         try:
             jobs.append(parse_job(doc, source=source))

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "find in one pass (field types and bounds, unknown fields, cross-field rules of every part whose\n"
                  "own fields are valid). Reads files, directories (*.yaml, *.yml, *.json inside, recursively) and\n"
                  "- (standard input). Multi-document files and `kubectl get -o yaml` Lists are read; documents of\n"
-                 "other kinds (a Service beside the job) are skipped with a note. Invalid RLJobs exit 1.")
+                 "other kinds (a Service beside the job) are skipped with a note, and so are a directory's files\n"
+                 "without any RLJob (a file named on the command line must hold one). Invalid RLJobs exit 1.")
     p.add_argument("files", nargs="+", metavar="FILE", help="YAML file, directory, or - for standard input")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text",
                    help="text: one line per problem (default); json: one JSON object on stdout")

@@ -29,22 +29,22 @@ class Report:
         return {"valid": self.valid, "problems": [asdict(p) for p in self.problems], "skipped": self.skipped}
 
 
-def _sources(arg: str) -> list[tuple[str, Path | None]]:
-    """(display name, path or None for stdin) of each YAML source an argument names."""
+def _sources(arg: str) -> tuple[list[tuple[str, Path | None]], bool]:
+    """(display name, path or None for stdin) of each YAML source an argument names, and whether it is a
+    directory (whose files without any RLJob are skipped, not problems: manifests of other kinds live there too)."""
     if arg == "-":
-        return [("<stdin>", None)]
+        return [("<stdin>", None)], False
     path = Path(arg)
     if path.is_dir():
-        return [(str(p), p) for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in YAML_SUFFIXES]
-    return [(arg, path)]
+        return [(str(p), p) for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in YAML_SUFFIXES], True
+    return [(arg, path)], False
 
 
 def validate(args: list[str]) -> Report:
     report = Report()
     for arg in args:
-        sources = _sources(arg)
-        if not sources:
-            report.problems.append(Problem(arg, "", "", "no *.yaml, *.yml or *.json file in this directory"))
+        sources, directory = _sources(arg)
+        rljob_files = 0
         for name, path in sources:
             try:
                 text = sys.stdin.read() if path is None else path.read_text(encoding="utf-8")
@@ -52,9 +52,13 @@ def validate(args: list[str]) -> Report:
                 report.problems.append(read_problem(name, exc))
                 continue
             found = check_text(text, name)
+            rljob_files += not found.none_found
             report.valid += [{"source": name, "name": job.metadata.name} for job in found.jobs]
-            report.problems += found.problems
             report.skipped += [{"source": name, "object": what} for what in found.skipped]
+            if not (directory and found.none_found):  # a named file must hold an RLJob; a directory's need not
+                report.problems += found.problems
+        if directory and not rljob_files:
+            report.problems.append(Problem(arg, "", "", "no RLJob in any *.yaml, *.yml or *.json file here"))
     return report
 
 

@@ -91,6 +91,7 @@ def test_validate_reads_stdin_directories_lists_and_skips_other_kinds(tmp_path: 
     (tmp_path / "d" / "sub").mkdir(parents=True)
     (tmp_path / "d" / "sub" / "job.yml").write_text(job)
     (tmp_path / "d" / "notes.txt").write_text("not yaml: [")
+    (tmp_path / "d" / "service.yaml").write_text("apiVersion: v1\nkind: Service\nmetadata: {name: web}\n")
     mixed = tmp_path / "mixed.yaml"
     mixed.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: coord}\n---\n" + job)
     # what `kubectl get rlj -o yaml` prints: a List whose items are the objects
@@ -102,6 +103,17 @@ def test_validate_reads_stdin_directories_lists_and_skips_other_kinds(tmp_path: 
     assert proc.stdout == ""
     assert f"note: {mixed}: Service/coord: not an RLJob, skipped" in proc.stderr
     assert "5 RLJob(s) valid" in proc.stderr
+    assert f"note: {tmp_path / 'd' / 'service.yaml'}: Service/web: not an RLJob, skipped" in proc.stderr
+    # A directory's files may hold other kinds only; a file named on the command line must hold an RLJob, and a
+    # broken file is a problem wherever it is.
+    (tmp_path / "d" / "broken.yaml").write_text("a: [1\n")
+    (tmp_path / "empty").mkdir()
+    proc = _specrl("validate", str(tmp_path / "d"), str(tmp_path / "d" / "service.yaml"), str(tmp_path / "empty"))
+    assert proc.returncode == 1
+    assert sorted(proc.stdout.splitlines()) == sorted([
+        f"{tmp_path / 'd' / 'broken.yaml'}: invalid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'",
+        f"{tmp_path / 'd' / 'service.yaml'}: no RLJob found (skipped Service/web)",
+        f"{tmp_path / 'empty'}: no RLJob in any *.yaml, *.yml or *.json file here"])
 
 
 def _doc(text: str) -> dict:
