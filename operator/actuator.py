@@ -21,7 +21,7 @@ from typing import Any
 from specrl.operator import children
 from specrl.operator import metrics as m
 from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError
-from specrl.operator.kube import KubeClient
+from specrl.operator.kube import ApiError, KubeClient
 from specrl.operator.rebalance import Move, pick_victim
 from specrl.operator.status import now_iso, set_condition
 
@@ -59,8 +59,14 @@ def plan(move: Move, owner: children.Owner, pod_names: list[str]) -> PendingMove
     return PendingMove(victim, new_pod, move.from_role, move.to_role, move.reason, move.message)
 
 
-async def read_token(kube: KubeClient, owner: children.Owner) -> str:
+async def read_token(kube: KubeClient, owner: children.Owner, known: str = "", job: Any = None) -> str:
+    """The drain token from the job's Secret; a Secret deleted by hand is recreated with ``known`` (the token
+    the running coordinator holds) when the operator knows it."""
     secret = await kube.get("Secret", owner.namespace, children.secret_name(owner.name))
+    if not secret and known:
+        await kube.create(children.secret(owner, known, job))
+        m.API_WRITES.labels("create", "Secret").inc()
+        return known
     if not secret:
         raise CoordinatorError(f"secret {children.secret_name(owner.name)} is missing: cannot authenticate a drain")
     data = secret.get("data") or {}
@@ -102,6 +108,7 @@ async def execute(
     drain_poll: float,
     generation: int | None,
     emit: Callable[[str, str, str], None],
+    known_token: str = "",
 ) -> bool:
     """Run (or finish) ``pending``; updates ``status`` in place and persists each stage. True if done."""
     if status.get("pendingMove") is None:
@@ -111,7 +118,7 @@ async def execute(
         await persist(status)
 
     try:
-        token = await read_token(kube, owner)
+        token = await read_token(kube, owner, known_token, job)
         state = await coord.drain(owner.namespace, owner.name, pending.victim, token)
     except CoordinatorError as exc:
         # The victim keeps running; the move is abandoned and may be chosen again later.
@@ -129,7 +136,12 @@ async def execute(
     await kube.delete("Pod", owner.namespace, pending.victim)
     m.API_WRITES.labels("delete", "Pod").inc()
     role, index = children.parse_pod_name(owner.name, pending.new_pod) or (pending.to_role, 0)
-    await kube.create(children.pod(job, owner, role, index))
+    try:
+        await kube.create(children.pod(job, owner, role, index))
+    except ApiError as exc:
+        # Quota or admission refused the new pod: the move stands (the allocation says where the GPU
+        # belongs) and the level-based loop creates the pod, with its create backoff.
+        emit("Warning", "FailedCreate", f"creating {pending.new_pod} was refused: HTTP {exc.status}: {exc.message}")
     m.API_WRITES.labels("create", "Pod").inc()
 
     alloc = status.setdefault("allocation", {})

@@ -3,6 +3,11 @@
 Every call has a short timeout; repeated failures back off exponentially per job (the timer keeps
 ticking, but polls are skipped until the backoff expires), so an unreachable coordinator costs little.
 The caller marks the job Degraded and makes no moves while the coordinator cannot be read.
+
+``GET /status`` is external input: it is validated with :class:`CoordinatorStatus` (types, finite numbers,
+bounds) before anything reads it, so a buggy or hostile coordinator can neither crash the reconcile nor put
+NaN or an out-of-range number into the RLJob status (the API server would then refuse every status patch).
+A response that fails validation raises :class:`InvalidStatus`, handled like an unreachable coordinator.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
 
 DEFAULT_TIMEOUT = 3.0
 MAX_BACKOFF = 60.0
@@ -20,6 +27,64 @@ MAX_BACKOFF = 60.0
 
 class CoordinatorError(Exception):
     """The coordinator could not be reached or answered with something unusable."""
+
+
+class InvalidStatus(CoordinatorError):
+    """The coordinator answered, but ``GET /status`` is not a valid status document."""
+
+
+# JSON integers an RLJob status can hold without surprises (exactly representable as float64).
+MAX_COUNT = 2**53
+MAX_RATE = 1e12
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class WorkerStatus(_Doc):
+    name: str = Field(max_length=253)
+    role: str = Field(default="", max_length=64)
+    state: str = Field(default="active", max_length=64)
+
+
+class StepTimings(_Doc):
+    rollout_seconds: float = Field(ge=0, le=MAX_RATE, allow_inf_nan=False)
+    long_tail_seconds: float = Field(default=0.0, ge=0, le=MAX_RATE, allow_inf_nan=False)
+    train_seconds: float = Field(ge=0, le=MAX_RATE, allow_inf_nan=False)
+
+
+class CoordinatorStatus(_Doc):
+    """The part of the coordinator's ``GET /status`` (DESIGN §3) the operator reads; other keys are ignored."""
+
+    step: int = Field(default=0, ge=0, le=MAX_COUNT)
+    weight_version: int = Field(default=0, ge=0, le=MAX_COUNT)
+    phase: str = Field(default="Rollout", max_length=64)
+    queue_depth: int = Field(default=0, ge=0, le=MAX_COUNT)
+    active_sequences: int = Field(default=0, ge=0, le=MAX_COUNT)
+    step_batch_size: int = Field(default=0, ge=0, le=MAX_COUNT)
+    trainer_backlog: int = Field(default=0, ge=0, le=MAX_COUNT)
+    long_tail: bool = False
+    complete: bool = False
+    spec_decode_enabled: bool = False
+    tokens_per_second: float = Field(default=0.0, ge=0, le=MAX_RATE, allow_inf_nan=False)
+    acceptance_length: float | None = Field(default=None, ge=0, le=1e6, allow_inf_nan=False)
+    workers: list[WorkerStatus] = Field(default_factory=list, max_length=100_000)
+    last_step: StepTimings | None = None
+
+    @classmethod
+    def parse(cls, data: Any, where: str) -> dict[str, Any]:
+        """The validated document as camelCase JSON (what :class:`rebalance.Signals` reads), or InvalidStatus."""
+        if not isinstance(data, dict):
+            raise InvalidStatus(f"{where} returned {type(data).__name__}, not a JSON object")
+        try:
+            doc = cls.model_validate({k: v for k, v in data.items() if v is not None})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            path = ".".join(str(x) for x in err["loc"]) or "(document)"
+            raise InvalidStatus(f"{where}: invalid status: {path}: {err['msg']} "
+                                f"(got {str(err.get('input'))[:40]!r})") from None
+        return doc.model_dump(by_alias=True)
 
 
 class DrainRejected(CoordinatorError):
@@ -79,8 +144,7 @@ class CoordinatorClient:
                 if resp.status != 200:
                     raise CoordinatorError(f"GET {url} -> HTTP {resp.status}")
                 data = await resp.json(content_type=None)
-            if not isinstance(data, dict):
-                raise CoordinatorError(f"GET {url} returned {type(data).__name__}, not a JSON object")
+            data = CoordinatorStatus.parse(data, f"GET {url}")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             err = f"GET {url}: {type(exc).__name__}: {exc}".rstrip(": ")
             self._failed(key, err)

@@ -5,7 +5,9 @@
   ``GET /status``, status and rebalancing (the level-based loop; no writes when nothing changed).
 * ``delete``: removes the pods right away (GPUs are freed without waiting for garbage collection) and the
   job-level objects; ownerReferences remain the safety net.
-* an index of the job's pods (``specrl.io/job`` label) so that observing children costs no API request.
+* an index of the job's pods (``specrl.io/job`` label) so that observing children costs no API request, and
+  one of its Services and ConfigMap, so that every reconcile recreates one deleted by hand for free (the
+  Secret is not watched: the operator may not list Secrets; see :func:`reconcile._ensure_static`).
 
 Registration is explicit (:func:`register` into a registry) because the timer interval comes from the
 command line.
@@ -83,13 +85,27 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         info = PodInfo.from_body(body)
         return {(namespace, labels[children.LABEL_JOB]): info} if info is not None else None
 
+    def job_level(kind: str) -> Any:
+        def index(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> Any:
+            return {(namespace, labels[children.LABEL_JOB]): (kind, name)}
+        return index
+
+    for kind, plural in (("Service", "services"), ("ConfigMap", "configmaps")):
+        kopf.index(plural, labels={children.LABEL_JOB: kopf.PRESENT, "app.kubernetes.io/managed-by": children.MANAGED_BY},
+                   id=f"{plural}_by_job", registry=registry)(job_level(kind))
+
+    def statics(namespace: str, name: str, **indexes: Any) -> set[tuple[str, str]]:
+        return {obj for plural in ("services", "configmaps")
+                for obj in _observed(indexes[f"{plural}_by_job"], namespace, name)}
+
     @kopf.on.create(**target, id="converge", backoff=5)
     @kopf.on.resume(**target, id="converge", backoff=5)
     @kopf.on.update(**target, id="converge", field="spec", backoff=5)
     async def converge(body: kopf.Body, reason: str, namespace: str, name: str, patch: kopf.Patch,
                        pods_by_job: kopf.Index, **_: Any) -> None:
         trigger = str(getattr(reason, "value", reason))
-        status = await reconcile(runtime(), body, _observed(pods_by_job, namespace, name), trigger)
+        status = await reconcile(runtime(), body, _observed(pods_by_job, namespace, name), trigger,
+                                 statics(namespace, name, **_))
         _apply(patch, status)
 
     def running(status: Mapping[str, Any], **_: Any) -> bool:
@@ -99,7 +115,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
                 id="tick", backoff=config.poll_interval)
     async def tick(body: kopf.Body, namespace: str, name: str, patch: kopf.Patch, pods_by_job: kopf.Index,
                    **_: Any) -> None:
-        status = await reconcile(runtime(), body, _observed(pods_by_job, namespace, name), "timer")
+        status = await reconcile(runtime(), body, _observed(pods_by_job, namespace, name), "timer",
+                                 statics(namespace, name, **_))
         _apply(patch, status)
 
     @kopf.on.delete(**target, id="cleanup", optional=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import os
 import ssl
@@ -31,6 +32,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Secret": ("/api/v1", "secrets"),
     "Event": ("/api/v1", "events"),
+    "Node": ("/api/v1", "nodes"),  # cluster-scoped: pass namespace ""
     "RLJob": ("/apis/specrl.io/v1alpha1", "rljobs"),
 }
 
@@ -39,6 +41,14 @@ class ApiError(Exception):
     def __init__(self, status: int, method: str, url: str, text: str) -> None:
         super().__init__(f"{method} {url} -> HTTP {status}: {text[:300]}")
         self.status = status
+        # The API server's own sentence (a Status object's message), e.g. "exceeded quota: ...".
+        self.message = text[:300]
+        try:
+            doc = json.loads(text)
+            if isinstance(doc, dict) and doc.get("message"):
+                self.message = str(doc["message"])[:500]
+        except ValueError:
+            pass
 
 
 def _ssl_context(info: Any) -> ssl.SSLContext | bool:
@@ -108,7 +118,7 @@ class KubeClient:
 
     def url(self, kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
         prefix, plural = _KINDS[kind]
-        url = f"{self._server}{prefix}/namespaces/{namespace}/{plural}"
+        url = f"{self._server}{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{self._server}{prefix}/{plural}"
         if name:
             url += f"/{name}"
         if subresource:

@@ -27,7 +27,8 @@ rollout worker), ``f`` = ``longTailFraction``.
   joins its new role at the next step boundary, so the GPU the tail idles is not won back in that step.
 
 Guards, in order: elastic rebalancing enabled; the job is running (not Starting/Syncing/Complete/Failed);
-no worker still draining (one move at a time); a want that ``hysteresis`` consecutive polls agree on;
+no worker still draining (one move at a time); every worker pod Ready (``Allocation.unready`` empty: no
+move lands on a pod that is still Pending or starting); a want that ``hysteresis`` consecutive polls agree on;
 ``cooldownSeconds`` since the previous move; the donor stays at or above its ``minReplicas``, the
 receiver at or below its ``maxReplicas``; ``(trainer + rollout)·gpusPerPod <= totalGPUs`` (a move keeps
 the total, so an allocation that is already over budget is left to reconciliation).
@@ -128,11 +129,13 @@ class Signals:
 
 @dataclass(frozen=True)
 class Allocation:
-    """Current replicas per role; ``pods`` (optional) names them so a victim can be chosen."""
+    """Current replicas per role; ``pods`` (optional) names them so a victim can be chosen; ``unready`` names
+    those of them that are not Ready yet (pending, pulling images, starting)."""
 
     trainer: int
     rollout: int
     pods: tuple[str, ...] = ()
+    unready: tuple[str, ...] = ()
 
     def of(self, role: str) -> int:
         return self.trainer if role == "trainer" else self.rollout
@@ -358,6 +361,10 @@ def decide(
         return Decision(None, Streak(), held=f"coordinator phase {signals.phase}")
     if signals.draining:
         return Decision(None, Streak(), held=f"{', '.join(signals.draining)} still draining")
+    if alloc.unready:
+        # A pod that is not Ready yet is a move still landing (or a pod that cannot start): moving more
+        # capacity on top of it would act on signals that do not reflect it yet.
+        return Decision(None, Streak(), held=f"{', '.join(alloc.unready[:3])} not Ready")
     w = want(signals, alloc, cfg)
     streak = streak.update(w)
     if w is None:

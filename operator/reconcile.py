@@ -14,28 +14,32 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import os
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-from specrl.operator import actuator, children
+from specrl.operator import actuator, children, faults
 from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError
-from specrl.operator.kube import KubeClient
+from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError, InvalidStatus
+from specrl.operator.kube import ApiError, KubeClient
 from specrl.operator.rebalance import (
     Allocation,
     LastMove,
+    Move,
     PolicyConfig,
     Signals,
     Streak,
     decide,
     possible_moves,
+    room,
 )
 from specrl.operator.status import (
     condition_true,
@@ -65,6 +69,11 @@ class PodInfo:
     phase: str  # Pending | Running | Succeeded | Failed | Unknown | "" (not reported yet)
     deleting: bool
     reason: str = ""
+    node: str = ""  # spec.nodeName once scheduled
+    ready: bool = False  # the Ready condition is True
+    disruption: str = ""  # DisruptionTarget reason (eviction, preemption...) or Evicted
+    waiting: str = ""  # "Reason: message" of what keeps it from running (ImagePullBackOff, Unschedulable...)
+    deleted_at: float | None = None  # deletionTimestamp: when a terminating pod should be gone
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PodInfo | None:
@@ -83,7 +92,10 @@ class PodInfo:
             if term:
                 reason = f"{term.get('reason', 'Terminated')} (exit code {term.get('exitCode', '?')})"
         return cls(name=str(meta["name"]), role=parsed[0], index=parsed[1], uid=str(meta.get("uid", "")),
-                   phase=str(st.get("phase") or ""), deleting=bool(meta.get("deletionTimestamp")), reason=reason)
+                   phase=str(st.get("phase") or ""), deleting=bool(meta.get("deletionTimestamp")), reason=reason,
+                   node=str((body.get("spec") or {}).get("nodeName") or ""), ready=faults.ready_of(st),
+                   disruption=faults.disruption_of(st), waiting=faults.waiting_of(st),
+                   deleted_at=faults.deletion_time(meta))
 
 
 @dataclass
@@ -94,6 +106,11 @@ class OperatorConfig:
     restart_backoff_base: float = float(os.environ.get("SPECRL_OPERATOR_RESTART_BACKOFF", "10"))
     restart_backoff_max: float = 300.0
     drain_poll: float = 1.0
+    # A pod stuck on a node that is NotReady this long is force-deleted and replaced (not counted).
+    node_lost_grace: float = float(os.environ.get("SPECRL_OPERATOR_NODE_LOST_GRACE", "60"))
+    # Creates the API refuses (quota, admission): retried after base * 2^(n-1) seconds (capped).
+    create_backoff_base: float = float(os.environ.get("SPECRL_OPERATOR_CREATE_BACKOFF", "5"))
+    create_backoff_max: float = 300.0
 
 
 EXPECTATION_TTL = 60.0
@@ -123,8 +140,7 @@ class Expectations:
             if name not in pods or now - at > EXPECTATION_TTL:
                 del self.deleted[name]
             elif name not in self.created:
-                p = pods[name]
-                pods[name] = PodInfo(p.name, p.role, p.index, p.uid, p.phase, True, p.reason)
+                pods[name] = dataclasses.replace(pods[name], deleting=True)
 
 
 class TrackingKube:
@@ -164,6 +180,18 @@ class Runtime:
     locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     streaks: dict[tuple[str, str], Streak] = field(default_factory=dict)
     expectations: dict[tuple[str, str], Expectations] = field(default_factory=dict)
+    # The coordinator token per job (as created or as read from the Secret): a Secret deleted by hand is
+    # recreated with the token the running coordinator already holds.
+    tokens: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Refused creates per job: (consecutive failures, monotonic time of the next attempt).
+    create_failures: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    # Waiting reasons already announced with a Warning event, per job: pod -> reason.
+    waiting: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    # Pods (name, uid) the coordinator has listed as members, and pods the operator has drained, per job:
+    # a pod is taken as retired only after it was a member (a new pod that reuses a retired worker's name is
+    # listed "retired" until it registers).
+    members: dict[tuple[str, str], set[tuple[str, str]]] = field(default_factory=dict)
+    drained: dict[tuple[str, str], set[str]] = field(default_factory=dict)
 
     def lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -172,6 +200,8 @@ class Runtime:
         self.locks.pop(key, None)
         self.streaks.pop(key, None)
         self.expectations.pop(key, None)
+        for memo in (self.tokens, self.create_failures, self.waiting, self.members, self.drained):
+            memo.pop(key, None)
         self.coord.forget(*key)
 
 
@@ -240,13 +270,19 @@ def _ready_condition(status: dict[str, Any], want: Iterable[str], pods: Mapping[
                      gen: int | None) -> None:
     want = list(want)
     running = [n for n in want if n in pods and pods[n].phase == "Running" and not pods[n].deleting]
+    # The first pod that waits for something (image pull, scheduling, config) names the reason.
+    waiting = [f"{n}: {pods[n].waiting}" for n in want if n in pods and pods[n].waiting and not pods[n].deleting]
+    reason = waiting[0].split(": ", 2)[1] if waiting else ""
+    detail = (f"; {'; '.join(waiting[:3])}" if waiting else "")[:900]
     if status.get("phase") != "Running":
-        set_condition(status, "Ready", False, status.get("phase") or "Pending",
-                      f"job is {status.get('phase') or 'Pending'}; {len(running)}/{len(want)} pods running", now, gen)
+        set_condition(status, "Ready", False, reason or status.get("phase") or "Pending",
+                      f"job is {status.get('phase') or 'Pending'}; {len(running)}/{len(want)} pods running{detail}",
+                      now, gen)
     elif len(running) == len(want):
         set_condition(status, "Ready", True, "AllPodsRunning", f"{len(want)}/{len(want)} pods running", now, gen)
     else:
-        set_condition(status, "Ready", False, "PodsNotReady", f"{len(running)}/{len(want)} pods running", now, gen)
+        set_condition(status, "Ready", False, reason or "PodsNotReady",
+                      f"{len(running)}/{len(want)} pods running{detail}", now, gen)
 
 
 class StatusWriter:
@@ -288,16 +324,45 @@ class StatusWriter:
         return patch
 
 
-async def _create_static(rt: Runtime, desired: children.Desired, job: RLJob, owner: children.Owner,
-                         update_config: bool) -> None:
-    async def one(obj: dict[str, Any]) -> None:
-        created = await rt.kube.create(obj)
-        m.API_WRITES.labels("create", obj["kind"]).inc()
-        if not created and update_config and obj["kind"] == "ConfigMap":
-            await rt.kube.patch(obj["kind"], owner.namespace, obj["metadata"]["name"], {"data": obj["data"]})
-            m.API_WRITES.labels("patch", "ConfigMap").inc()
+async def _create_all(rt: Runtime, key: tuple[str, str], objs: list[dict[str, Any]], st: dict[str, Any],
+                      body: Mapping[str, Any], now: float, gen: int | None) -> list[dict[str, Any]]:
+    """Create ``objs`` unless a refused create is backing off; returns the objects actually created.
 
-    await asyncio.gather(*(one(obj) for obj in desired.static.values()))
+    A refusal (quota 403, admission 422, any API error but 409) is not an error of the reconcile: the job gets
+    ``Degraded=True, FailedCreate`` and a Warning event, and creates wait ``create_delay`` (growing) seconds.
+    """
+    if not objs:
+        return []
+    failures, retry_at = rt.create_failures.get(key, (0, 0.0))
+    if failures and time.monotonic() < retry_at:
+        return []
+    results = await asyncio.gather(*(rt.kube.create(obj) for obj in objs), return_exceptions=True)
+    created, refused = [], []
+    for obj, result in zip(objs, results):
+        m.API_WRITES.labels("create", obj["kind"]).inc()
+        if isinstance(result, ApiError):
+            refused.append((obj, result))
+        elif isinstance(result, BaseException):
+            raise result
+        elif result:
+            created.append(obj)
+    if refused:
+        failures += 1
+        delay = faults.create_delay(failures, rt.config.create_backoff_base, rt.config.create_backoff_max)
+        rt.create_failures[key] = (failures, time.monotonic() + delay)
+        obj, err = refused[0]
+        what = f"{obj['kind']} {obj['metadata']['name']}"
+        msg = f"creating {what} was refused: HTTP {err.status}: {err.message}; retrying in {delay:g}s"
+        if len(refused) > 1:
+            msg += f" ({len(refused)} objects refused)"
+        rt.emit(body, "Warning", "FailedCreate", msg)
+        if (get_condition(st, "Degraded") or {}).get("reason") != "ImmutableFieldChanged":
+            set_condition(st, "Degraded", True, "FailedCreate", msg, now, gen)
+    elif failures:
+        del rt.create_failures[key]
+        if (get_condition(st, "Degraded") or {}).get("reason") == "FailedCreate":
+            set_condition(st, "Degraded", False, "AsExpected", "creates succeed again", now, gen)
+    return created
 
 
 async def _delete_pods(rt: Runtime, owner: children.Owner, names: Iterable[str]) -> int:
@@ -308,29 +373,45 @@ async def _delete_pods(rt: Runtime, owner: children.Owner, names: Iterable[str])
     return len(names)
 
 
-async def reconcile(rt: Runtime, body: Mapping[str, Any], observed: Iterable[PodInfo], trigger: str) -> dict[str, Any]:
-    """Converge one job; returns the status patch still to apply (the caller hands it to kopf)."""
+async def reconcile(rt: Runtime, body: Mapping[str, Any], observed: Iterable[PodInfo], trigger: str,
+                    statics: AbstractSet[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Converge one job; returns the status patch still to apply (the caller hands it to kopf).
+
+    ``statics`` are the job's Services and ConfigMap that exist now, as ``(kind, name)``, from the operator's
+    watches; with them every reconcile recreates one that was deleted, at no request cost when none is
+    missing. None (unknown) ensures the job-level objects on handlers only.
+    """
     owner = children.Owner.from_body(body)
     key = (owner.namespace, owner.name)
     with m.reconciling(trigger):
-        async with rt.lock(key):
+        lock = rt.lock(key)
+        waited = lock.locked()
+        async with lock:
+            if waited:
+                # Another reconcile of this job (a move, a spec update) ran while this one waited: the body this
+                # trigger captured predates its writes (allocation, pendingMove); converging it would undo them.
+                fresh = await rt.kube.get("RLJob", owner.namespace, owner.name)
+                if fresh is None:
+                    return {}
+                body = fresh
             exp = rt.expectations.setdefault(key, Expectations())
             pods = {p.name: p for p in observed}
             exp.apply(owner.name, pods, time.monotonic())
             local = copy.copy(rt)
             local.kube = TrackingKube(rt.kube, exp)  # type: ignore[assignment]
-            return await _reconcile(local, body, pods, trigger, owner, key)
+            return await _reconcile(local, body, pods, trigger, owner, key, statics)
 
 
 async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodInfo], trigger: str,
-                     owner: children.Owner, key: tuple[str, str]) -> dict[str, Any]:
+                     owner: children.Owner, key: tuple[str, str],
+                     statics: AbstractSet[tuple[str, str]] | None) -> dict[str, Any]:
     now = rt.clock()
     gen = (body.get("metadata") or {}).get("generation")
     writer = StatusWriter(rt, body, owner)
     st = copy.deepcopy(writer.current)
     if gen is not None:
         st["observedGeneration"] = gen
-    full = trigger != "timer"  # handlers (create/resume/update) also ensure the job-level objects
+    full = trigger != "timer"  # handlers (create/resume/update) also rewrite the ConfigMap
 
     job, problem = _validate(body)
     if job is None:
@@ -349,7 +430,6 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
     applied.setdefault("image", children.image_of(job))
     job, changes = _with_applied(job, applied)
     alloc = _allocation(job, st)
-    desired_alloc = dict(alloc)
     phase = st.get("phase")
 
     # ---- terminal phases: release GPUs, keep the record -------------------------------------------
@@ -382,38 +462,12 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
         st["phase"], st["message"] = "Pending", "resumed: recreating worker pods"
         set_condition(st, "Suspended", False, "Resumed", "spec.suspend is false", now, gen)
 
-    # ---- failed pods: count, back off, recreate; past backoffLimit the job fails ---------------------
-    failed = [p for p in pods.values() if not p.deleting and (p.phase == "Failed" or
-              (p.phase == "Succeeded" and p.role in children.WORKER_ROLES))]
-    coordinator_done = any(p.role == "coordinator" and p.phase == "Succeeded" for p in pods.values())
-    last_uid = (st.get("lastFailure") or {}).get("uid")
-    new_failures = [p for p in failed if p.uid != last_uid]
-    if new_failures:
-        restarts = int(st.get("restarts") or 0) + len(new_failures)
-        first = new_failures[0]
-        st["restarts"] = restarts
-        st["lastFailure"] = {"pod": new_failures[-1].name, "uid": new_failures[-1].uid, "time": now_iso(now),
-                             "reason": new_failures[-1].reason or "Failed"}
-        limit = job.spec.backoff_limit
-        if restarts > limit:
-            msg = (f"{restarts} pod failures exceed spec.backoffLimit {limit} "
-                   f"(last: {first.name}: {first.reason or 'Failed'})")
-            st["phase"], st["message"] = "Failed", msg
-            set_condition(st, "Failed", True, "BackoffLimitExceeded", msg, now, gen)
-            set_condition(st, "Ready", False, "BackoffLimitExceeded", msg, now, gen)
-            await writer.persist(st)
-            await _delete_pods(rt, owner, [p.name for p in pods.values()
-                                           if p.role in children.WORKER_ROLES and not p.deleting])
-            return writer.final(st)
-        delay = min(rt.config.restart_backoff_max, rt.config.restart_backoff_base * 2 ** (restarts - 1))
-        st["nextRetryTime"] = now_iso(now + delay)
-        rt.emit(body, "Warning", "PodFailed",
-                f"{first.name} failed ({first.reason or 'Failed'}); restart {restarts}/{limit} in {delay:g}s")
-        await writer.persist(st)  # before deleting: a crash in between must not count the pod twice
-    if failed:
-        await _delete_pods(rt, owner, [p.name for p in failed])
-        for p in failed:
-            pods.pop(p.name, None)
+    # ---- lost nodes, a lost coordinator, failed and disrupted pods ---------------------------------------
+    lost = await _release_lost_pods(rt, body, owner, pods, st, now)
+    if await _restart_group_if_coordinator_lost(rt, job, body, owner, pods, st, writer, lost, now, gen):
+        return writer.final(st)
+    if await _handle_failed_workers(rt, job, body, owner, pods, st, writer, now, gen):
+        return writer.final(st)
 
     # ---- a move interrupted by an operator restart is finished first ---------------------------------
     if st.get("pendingMove") and not suspended:
@@ -422,11 +476,10 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
         alloc = {r: st["allocation"][r]["replicas"] for r in children.WORKER_ROLES}
 
     # ---- converge the children ------------------------------------------------------------------------
-    existing = list(pods)
-    token = secrets.token_urlsafe(32) if full else ""
-    desired = children.desired(job, owner, alloc, existing, token=token, workers=not suspended)
-    if full:
-        await _create_static(rt, desired, job, owner, update_config=trigger == "update")
+    token = rt.tokens.get(key) or secrets.token_urlsafe(32)
+    desired = children.desired(job, owner, alloc, list(pods), token=token, workers=not suspended)
+    await _ensure_static(rt, key, desired, owner, st, body, now, gen, statics, token, pods,
+                         update_config=trigger == "update", handler=full)
     retry_at = parse_iso(st.get("nextRetryTime"))
     missing = [n for n in desired.pods if n not in pods]
     if missing and retry_at is not None and now < retry_at:
@@ -434,26 +487,233 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
     elif retry_at is not None and now >= retry_at:
         st.pop("nextRetryTime", None)
     extra = [n for n, p in pods.items() if n not in desired.pods and not p.deleting]
-    await asyncio.gather(*(rt.kube.create(desired.pods[n]) for n in missing))
-    if missing:
-        m.API_WRITES.labels("create", "Pod").inc(len(missing))
+    await _create_all(rt, key, [desired.pods[n] for n in missing], st, body, now, gen)
     await _delete_pods(rt, owner, extra)
 
     # ---- coordinator: progress, completion, rebalancing -------------------------------------------------
+    coordinator_done = any(p.role == "coordinator" and p.phase == "Succeeded" for p in pods.values())
     if trigger == "timer" and not suspended and any(p.role == "coordinator" for p in pods.values()):
         await _observe_coordinator(rt, job, owner, st, writer, pods, alloc, gen, now, key)
     if coordinator_done and st.get("phase") not in ("Complete", "Failed"):
         _complete(st, "the coordinator exited successfully", now, gen)
-    if st.get("phase") == "Complete":
+
+    # ---- deadlines ---------------------------------------------------------------------------------------
+    _mark_phase_times(st, writer.current.get("phase"), now)
+    if trigger == "timer" and not suspended:
+        degraded = get_condition(st, "Degraded") or {}
+        problem = faults.deadline_problem(
+            phase=st.get("phase"), now=now, pending_since=parse_iso(st.get("pendingSince")),
+            progress_at=parse_iso(st.get("progressAt")), startup_deadline=job.spec.startup_deadline_seconds,
+            progress_deadline=job.spec.progress_deadline_seconds, step=int(st.get("step") or 0),
+            waiting=[f"{p.name}: {p.waiting}" for p in pods.values() if p.waiting and not p.deleting],
+            coordinator_problem=str(degraded.get("message") or "") if degraded.get("status") == "True"
+            and degraded.get("reason") in COORDINATOR_PROBLEMS else "")
+        if problem is not None:
+            _fail(st, problem.reason, problem.message, now, gen)
+
+    if st.get("phase") in ("Complete", "Failed"):
+        # Release the GPUs in the same tick the job ends (the timer stops at a terminal phase).
         await _delete_pods(rt, owner, [p.name for p in pods.values()
                                        if p.role in children.WORKER_ROLES and not p.deleting])
+        return writer.final(st)
 
     alloc_now = {r: st["allocation"][r]["replicas"] for r in children.WORKER_ROLES}
     want = children.desired(job, owner, alloc_now, list(pods), workers=not suspended).pods
+    _announce_waiting(rt, body, key, pods)
     if st.get("phase") not in ("Complete", "Failed", "Suspended"):
         _ready_condition(st, want, pods, now, gen)
-    del desired_alloc
     return writer.final(st)
+
+
+COORDINATOR_PROBLEMS = frozenset({"CoordinatorUnreachable", "CoordinatorResponseInvalid"})
+
+
+def _mark_phase_times(st: dict[str, Any], before: str | None, now: float) -> None:
+    """Start the deadline clocks: ``pendingSince`` on entering Pending, ``progressAt`` on entering Running."""
+    phase = st.get("phase")
+    if phase == "Pending" and (before != "Pending" or "pendingSince" not in st):
+        st["pendingSince"] = now_iso(now)
+    if phase == "Running" and (before != "Running" or "progressAt" not in st):
+        st["progressAt"] = now_iso(now)
+
+
+def _announce_waiting(rt: Runtime, body: Mapping[str, Any], key: tuple[str, str],
+                      pods: Mapping[str, PodInfo]) -> None:
+    """One Warning event per pod and waiting reason (ImagePullBackOff, Unschedulable...), when it appears."""
+    now_waiting = {n: p.waiting.split(":", 1)[0] for n, p in pods.items() if p.waiting and not p.deleting}
+    seen = rt.waiting.setdefault(key, {})
+    for name, reason in sorted(now_waiting.items()):
+        if seen.get(name) != reason:
+            rt.emit(body, "Warning", reason, f"{name}: {pods[name].waiting}")
+    seen.clear()
+    seen.update(now_waiting)
+
+
+async def _ensure_static(rt: Runtime, key: tuple[str, str], desired: children.Desired, owner: children.Owner,
+                         st: dict[str, Any], body: Mapping[str, Any], now: float, gen: int | None,
+                         statics: AbstractSet[tuple[str, str]] | None, token: str, pods: Mapping[str, PodInfo], *,
+                         update_config: bool, handler: bool) -> None:
+    """Create the job-level objects that are missing; rewrite the ConfigMap on spec updates.
+
+    Services and the ConfigMap are watched (``statics``): only missing ones are created, so a tick costs no
+    request when all exist. The Secret is not watched (the operator may not list Secrets): it is recreated
+    when a pod cannot start for a missing Secret (``CreateContainerConfigError``) and before a drain needs it
+    (:func:`actuator.read_token`), with the token the running coordinator holds when this process knows it.
+    Without ``statics`` (unknown) the handlers create everything (409 when present) and the timer nothing.
+    """
+    secret_key = ("Secret", children.secret_name(owner.name))
+    if statics is None:
+        wanted = list(desired.static.values()) if handler else []
+    else:
+        config_error = any(p.waiting.startswith("CreateContainerConfigError") for p in pods.values())
+        wanted = [obj for k, obj in desired.static.items()
+                  if (k == secret_key and (handler or config_error)) or (k != secret_key and k not in statics)]
+        if not handler:
+            for obj in wanted:
+                log.warning("%s/%s: %s %s may be missing; recreating it", *key, obj["kind"], obj["metadata"]["name"])
+    created = await _create_all(rt, key, wanted, st, body, now, gen)
+    if not handler:
+        for obj in created:
+            rt.emit(body, "Warning", "ChildRecreated",
+                    f"{obj['kind']} {obj['metadata']['name']} was missing and has been recreated")
+    if any(obj["kind"] == "Secret" for obj in created):
+        rt.tokens[key] = token
+    if update_config and not any(obj["kind"] == "ConfigMap" for obj in created):
+        cm = desired.static[("ConfigMap", children.config_map_name(owner.name))]
+        await rt.kube.patch("ConfigMap", owner.namespace, cm["metadata"]["name"], {"data": cm["data"]})
+        m.API_WRITES.labels("patch", "ConfigMap").inc()
+
+
+async def _release_lost_pods(rt: Runtime, body: Mapping[str, Any], owner: children.Owner,
+                             pods: dict[str, PodInfo], st: dict[str, Any], now: float) -> dict[str, str]:
+    """Force-delete pods stuck on a lost node (phase Unknown, or terminating past their deletion time).
+
+    Kubernetes never confirms the deletion of a pod whose kubelet is gone, and a pod with a fixed name then
+    blocks its own replacement forever. After ``node_lost_grace`` seconds of NotReady the pod is removed with
+    grace period 0 (what ``kubectl delete --force`` does); the replacement is not counted as a failure.
+    Returns the released pods with the reason.
+    """
+    released: dict[str, str] = {}
+    nodes: dict[str, dict[str, Any] | None] = {}
+    for pod in [p for p in pods.values() if faults.suspect(p, now)]:
+        if pod.node not in nodes:
+            nodes[pod.node] = await rt.kube.get("Node", "", pod.node)
+        why = faults.node_lost(nodes[pod.node], now, rt.config.node_lost_grace)
+        if not why:
+            continue
+        await rt.kube.delete("Pod", owner.namespace, pod.name, grace_seconds=0)
+        m.API_WRITES.labels("delete", "Pod").inc()
+        rt.emit(body, "Warning", "NodeLost", f"{pod.name} ({pod.phase or 'terminating'}): {why}; force-deleted, "
+                f"it is replaced without counting against spec.backoffLimit")
+        st["disruptions"] = int(st.get("disruptions") or 0) + 1
+        released[pod.name] = f"NodeLost: {why}"
+        del pods[pod.name]
+    return released
+
+
+async def _restart_group_if_coordinator_lost(rt: Runtime, job: RLJob, body: Mapping[str, Any],
+                                             owner: children.Owner, pods: dict[str, PodInfo], st: dict[str, Any],
+                                             writer: StatusWriter, lost: Mapping[str, str], now: float,
+                                             gen: int | None) -> bool:
+    """A lost coordinator takes the Ray head and the step loop with it: restart the whole job once.
+
+    Lost = its pod failed, or (while Running) it is terminating or gone. The coordinator and every worker are
+    deleted and recreated together (one restart, counted once, and not at all for a disruption); the new
+    coordinator resumes from the job's last checkpoint. Worker failures seen in the same tick are part of the
+    group restart and are not counted. True when the job failed (backoffLimit) and the caller should stop.
+    """
+    name = children.pod_name(owner.name, "coordinator", 0)
+    coord = pods.get(name)
+    why, disruption, uid = "", "", coord.uid if coord else ""
+    if name in lost:
+        why, disruption = f"{name} was on a lost node", lost[name]
+    elif coord is not None and not coord.deleting and coord.phase == "Failed":
+        why, disruption = f"{name} failed ({coord.reason or 'Failed'})", coord.disruption
+    elif st.get("phase") == "Running" and (coord is None or coord.deleting):
+        why = f"{name} {'is terminating' if coord else 'disappeared'}"
+        disruption = coord.disruption if coord else ""
+    if not why:
+        return False
+    workers = [p.name for p in pods.values() if p.role in children.WORKER_ROLES and not p.deleting]
+    if disruption:
+        st["disruptions"] = int(st.get("disruptions") or 0) + 1
+        delay = 0.0
+    else:
+        restarts = int(st.get("restarts") or 0) + 1
+        st["restarts"] = restarts
+        limit = job.spec.backoff_limit
+        if restarts > limit:
+            msg = f"{restarts} failures exceed spec.backoffLimit {limit} (last: {why})"
+            _fail(st, "BackoffLimitExceeded", msg, now, gen)
+            st["lastFailure"] = {"pod": name, "uid": uid, "time": now_iso(now), "reason": "CoordinatorLost"}
+            await writer.persist(st)
+            await _delete_pods(rt, owner, workers)
+            return True
+        delay = min(rt.config.restart_backoff_max, rt.config.restart_backoff_base * 2 ** (restarts - 1))
+    st["lastFailure"] = {"pod": name, "uid": uid, "time": now_iso(now),
+                         "reason": f"CoordinatorLost ({disruption})" if disruption else "CoordinatorLost"}
+    msg = (f"{why}: restarting the coordinator and its {len(workers)} workers together "
+           f"(the job resumes from its last checkpoint)")
+    st["phase"], st["message"] = "Pending", msg
+    st["pendingSince"] = now_iso(now)
+    if st.get("pendingMove"):
+        st["pendingMove"] = None  # its victim goes with the group
+        set_condition(st, "Rebalancing", False, "GroupRestart", "move abandoned: the job restarts", now, gen)
+    if delay > 0:
+        st["nextRetryTime"] = now_iso(now + delay)
+    note = f"not counted: {disruption}" if disruption else f"restart {st['restarts']}/{job.spec.backoff_limit}"
+    rt.emit(body, "Warning", "CoordinatorLost", f"{msg}; {note}" + (f"; in {delay:g}s" if delay else ""))
+    await writer.persist(st)  # before deleting: a crash in between must not count the loss twice
+    doomed = workers + ([name] if coord is not None and not coord.deleting else [])
+    await _delete_pods(rt, owner, doomed)
+    for n in doomed:  # recreated once they are gone (names are fixed)
+        pods[n] = dataclasses.replace(pods[n], deleting=True)
+    return False
+
+
+async def _handle_failed_workers(rt: Runtime, job: RLJob, body: Mapping[str, Any], owner: children.Owner,
+                                 pods: dict[str, PodInfo], st: dict[str, Any], writer: StatusWriter, now: float,
+                                 gen: int | None) -> bool:
+    """Count, back off, recreate; disruptions are replaced at once and not counted. True when the job failed."""
+    failed = [p for p in pods.values() if not p.deleting and p.role in children.WORKER_ROLES
+              and p.phase in ("Failed", "Succeeded")]
+    last_uid = (st.get("lastFailure") or {}).get("uid")
+    new = [p for p in failed if p.uid != last_uid]
+    disrupted = [p for p in new if p.disruption]
+    counted = [p for p in new if not p.disruption]
+    if disrupted:
+        st["disruptions"] = int(st.get("disruptions") or 0) + len(disrupted)
+        for p in disrupted:
+            rt.emit(body, "Warning", "PodDisrupted", f"{p.name} was disrupted ({p.disruption}); replaced at once, "
+                    "not counted against spec.backoffLimit")
+    if new:
+        last = new[-1]
+        st["lastFailure"] = {"pod": last.name, "uid": last.uid, "time": now_iso(now),
+                             "reason": last.disruption or last.reason or "Failed"}
+    if counted:
+        restarts = int(st.get("restarts") or 0) + len(counted)
+        first = counted[0]
+        st["restarts"] = restarts
+        limit = job.spec.backoff_limit
+        if restarts > limit:
+            msg = (f"{restarts} pod failures exceed spec.backoffLimit {limit} "
+                   f"(last: {first.name}: {first.reason or 'Failed'})")
+            _fail(st, "BackoffLimitExceeded", msg, now, gen)
+            await writer.persist(st)
+            await _delete_pods(rt, owner, [p.name for p in pods.values()
+                                           if p.role in children.WORKER_ROLES and not p.deleting])
+            return True
+        delay = min(rt.config.restart_backoff_max, rt.config.restart_backoff_base * 2 ** (restarts - 1))
+        st["nextRetryTime"] = now_iso(now + delay)
+        rt.emit(body, "Warning", "PodFailed",
+                f"{first.name} failed ({first.reason or 'Failed'}); restart {restarts}/{limit} in {delay:g}s")
+    if new:
+        await writer.persist(st)  # before deleting: a crash in between must not count the pod twice
+    if failed:
+        await _delete_pods(rt, owner, [p.name for p in failed])
+        for p in failed:
+            pods.pop(p.name, None)
+    return False
 
 
 def _complete(st: dict[str, Any], message: str, now: float, gen: int | None) -> None:
@@ -462,13 +722,25 @@ def _complete(st: dict[str, Any], message: str, now: float, gen: int | None) -> 
     set_condition(st, "Ready", False, "Complete", message, now, gen)
 
 
+def _fail(st: dict[str, Any], reason: str, message: str, now: float, gen: int | None) -> None:
+    """Phase Failed with the reason on Failed and Ready; the caller releases the workers in the same tick."""
+    st["phase"], st["message"] = "Failed", message
+    set_condition(st, "Failed", True, reason, message, now, gen)
+    set_condition(st, "Ready", False, reason, message, now, gen)
+    if st.get("pendingMove"):
+        st["pendingMove"] = None
+        set_condition(st, "Rebalancing", False, reason, "move abandoned: the job failed", now, gen)
+
+
 async def _move(rt: Runtime, job: RLJob, owner: children.Owner, pending: actuator.PendingMove,
                 st: dict[str, Any], writer: StatusWriter, gen: int | None) -> bool:
     def emit(kind: str, reason: str, message: str) -> None:
         rt.emit(writer.body, kind, reason, message)
 
+    rt.drained.setdefault((owner.namespace, owner.name), set()).add(pending.victim)
     return await actuator.execute(
         job=job, owner=owner, pending=pending, status=st, kube=rt.kube, coord=rt.coord, persist=writer.persist,
+        known_token=rt.tokens.get((owner.namespace, owner.name), ""),
         now=rt.clock, drain_timeout=float(job.spec.elastic.drain_timeout_seconds), drain_poll=rt.config.drain_poll,
         generation=gen, emit=emit)
 
@@ -485,16 +757,19 @@ async def _observe_coordinator(rt: Runtime, job: RLJob, owner: children.Owner, s
         m.count_coordinator_error(*key)
         if st.get("phase") == "Pending":
             # Starting up: the coordinator pod may not be scheduled or listening yet; that is not degraded.
-            st["message"] = "waiting for the coordinator to answer GET /status"
+            st["message"] = f"waiting for the coordinator to answer GET /status ({str(exc)[:200]})"
             return
         if (get_condition(st, "Degraded") or {}).get("reason") != "ImmutableFieldChanged":
-            set_condition(st, "Degraded", True, "CoordinatorUnreachable",
-                          f"{exc}; no rebalancing until it answers", now, gen)
+            reason = "CoordinatorResponseInvalid" if isinstance(exc, InvalidStatus) else "CoordinatorUnreachable"
+            set_condition(st, "Degraded", True, reason, f"{exc}; no rebalancing until it answers", now, gen)
         return
-    if (get_condition(st, "Degraded") or {}).get("reason") == "CoordinatorUnreachable":
+    if (get_condition(st, "Degraded") or {}).get("reason") in COORDINATOR_PROBLEMS:
         set_condition(st, "Degraded", False, "AsExpected", "coordinator reachable", now, gen)
     signals = Signals.from_status(data)
-    st["step"] = int(data.get("step") or 0)
+    step = int(data.get("step") or 0)
+    if step > int(st.get("step") or 0):
+        st["progressAt"] = now_iso(now)
+    st["step"] = step
     st["weightVersion"] = int(data.get("weightVersion") or 0)
     accept = data.get("acceptanceLength")
     st["rollout"] = {
@@ -510,23 +785,28 @@ async def _observe_coordinator(rt: Runtime, job: RLJob, owner: children.Owner, s
         _complete(st, f"coordinator reports the job complete at step {st['step']}", now, gen)
         return
     if data.get("phase") == "Failed":
-        msg = "coordinator reports the job failed"
-        st["phase"], st["message"] = "Failed", msg
-        set_condition(st, "Failed", True, "CoordinatorFailed", msg, now, gen)
+        _fail(st, "CoordinatorFailed", f"coordinator reports the job failed at step {st['step']}", now, gen)
         return
     if st.get("phase") == "Pending":
         st["phase"], st["message"] = "Running", f"coordinator phase {data.get('phase', 'Rollout')}"
     elif st.get("phase") == "Running":
         st["message"] = f"coordinator phase {data.get('phase', 'Rollout')}"
 
+    members = rt.members.setdefault(key, set())
+    for w in signals.workers:
+        if w.state != "retired" and w.name in pods:
+            members.add((w.name, pods[w.name].uid))
     if st.get("phase") != "Running":
         return
     cfg = PolicyConfig.from_spec(job.spec)
+    if await _finish_retired(rt, job, owner, st, writer, pods, alloc, signals, cfg, gen, key):
+        return
     last_t = parse_iso((st.get("lastRebalance") or {}).get("time"))
     last = LastMove(last_t, st["lastRebalance"].get("fromRole", ""), st["lastRebalance"].get("toRole", "")) \
         if last_t is not None else None
     active = tuple(n for n, p in pods.items() if not p.deleting and p.role in children.WORKER_ROLES)
-    decision = decide(signals, Allocation(alloc["trainer"], alloc["rollout"], active), cfg, now, last,
+    unready = tuple(n for n in active if not pods[n].ready)
+    decision = decide(signals, Allocation(alloc["trainer"], alloc["rollout"], active, unready), cfg, now, last,
                       rt.streaks.get(key, Streak()))
     rt.streaks[key] = decision.streak
     if decision.move is None:
@@ -541,8 +821,43 @@ async def _observe_coordinator(rt: Runtime, job: RLJob, owner: children.Owner, s
                  pending.reason, pending.victim, pending.new_pod)
         if not await _move(rt, job, owner, pending, st, writer, gen):
             return
-        victim = pods.pop(pending.victim, None)
-        role, idx = children.parse_pod_name(owner.name, pending.new_pod) or (pending.to_role, 0)
-        pods[pending.new_pod] = PodInfo(pending.new_pod, role, idx, "", "", False)
-        del victim
-        alloc.update({r: st["allocation"][r]["replicas"] for r in children.WORKER_ROLES})
+        _moved(owner, pods, alloc, st, pending)
+
+
+def _moved(owner: children.Owner, pods: dict[str, PodInfo], alloc: dict[str, int], st: dict[str, Any],
+           pending: actuator.PendingMove) -> None:
+    pods.pop(pending.victim, None)
+    role, idx = children.parse_pod_name(owner.name, pending.new_pod) or (pending.to_role, 0)
+    pods[pending.new_pod] = PodInfo(pending.new_pod, role, idx, "", "", False)
+    alloc.update({r: st["allocation"][r]["replicas"] for r in children.WORKER_ROLES})
+
+
+async def _finish_retired(rt: Runtime, job: RLJob, owner: children.Owner, st: dict[str, Any],
+                          writer: StatusWriter, pods: dict[str, PodInfo], alloc: dict[str, int], signals: Signals,
+                          cfg: PolicyConfig, gen: int | None, key: tuple[str, str]) -> bool:
+    """A pod the coordinator retired outside a move in flight holds a GPU for nothing: finish its move.
+
+    A drain the operator sent (its move abandoned after a failed request, or lost) becomes the move it was
+    meant to be, when the bounds still allow it; any other retired pod is deleted and replaced in its role.
+    Only pods the coordinator listed as members before count (a new pod reusing a retired name is listed
+    ``retired`` until it registers). True when something was done (no policy move this tick).
+    """
+    members = rt.members.get(key, set())
+    victim = next((w.name for w in signals.workers if w.state == "retired" and w.name in pods
+                   and not pods[w.name].deleting and (w.name, pods[w.name].uid) in members), None)
+    if victim is None:
+        return False
+    role = pods[victim].role
+    other = "rollout" if role == "trainer" else "trainer"
+    drained = victim in rt.drained.get(key, set())
+    if drained and cfg.enabled and room(Allocation(alloc["trainer"], alloc["rollout"]), cfg, role, other) > 0:
+        pending = actuator.plan(Move(role, other, 1, "RetiredWorker", victim,  # type: ignore[arg-type]
+                                     f"{victim} was retired by the coordinator outside a move"), owner, list(pods))
+        if pending is not None and await _move(rt, job, owner, pending, st, writer, gen):
+            _moved(owner, pods, alloc, st, pending)
+        return True
+    rt.emit(writer.body, "Warning", "RetiredWorker",
+            f"{victim} was retired by the coordinator; deleting it so that a fresh {role} pod replaces it")
+    await _delete_pods(rt, owner, [victim])
+    pods.pop(victim, None)
+    return True

@@ -23,6 +23,7 @@ TERMINAL_PHASES = frozenset({"Complete"})
 MANAGED_KEYS = (
     "phase", "message", "conditions", "observedGeneration", "allocation", "rollout", "step", "weightVersion",
     "lastRebalance", "restarts", "lastFailure", "nextRetryTime", "pendingMove", "applied",
+    "disruptions", "pendingSince", "progressAt",
 )
 
 

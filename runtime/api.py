@@ -504,7 +504,14 @@ class RLJobSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
     suspend: bool = Field(default=False, description="Delete the job's pods but keep the job (resume by setting false).")
     backoff_limit: int = Field(default=3, ge=0, le=100, description=(
-        "Pod failures (restarts of the job's workers) tolerated before the job is marked Failed."))
+        "Pod failures (restarts of the job's workers) tolerated before the job is marked Failed. "
+        "Evictions, preemptions and lost nodes do not count."))
+    startup_deadline_seconds: int = Field(default=1800, ge=0, le=604800, description=(
+        "Seconds a started or restarted job may stay Pending (pods unscheduled, images pulling, the "
+        "coordinator not answering) before it fails with reason StartupDeadlineExceeded; 0 = no deadline."))
+    progress_deadline_seconds: int = Field(default=3600, ge=0, le=604800, description=(
+        "Seconds a running job may go without completing an RL step (a stalled step, an unreachable "
+        "coordinator) before it fails with reason ProgressDeadlineExceeded; 0 = no deadline."))
 
     @model_validator(mode="after")
     def _check(self) -> RLJobSpec:

@@ -47,7 +47,7 @@ async def test_status_and_drain_against_the_real_http_layer(server):
     client = CoordinatorClient(srv.url + "/")  # no placeholders: one coordinator for every job
     try:
         data = await client.status("ns", "j")
-        assert set(STATUS_KEYS) <= set(data)
+        assert set(STATUS_KEYS) - {"job", "rewardMean"} <= set(data)  # what the operator reads, validated
         s = Signals.from_status(data)
         assert (s.queue_depth, s.step_batch_size, s.phase) == (90, 64, "Rollout")
         assert await client.drain("ns", "j", "j-trainer-1", "t0k") == "draining"

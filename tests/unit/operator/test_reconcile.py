@@ -66,7 +66,9 @@ class FakeKube:
         out = []
         for (kind, name), obj in self.objects.items():
             if kind == "Pod":
-                body = {**obj, "metadata": {**obj["metadata"], "uid": obj["_uid"]}, "status": {"phase": phase}}
+                ready = {"type": "Ready", "status": "True" if phase == "Running" else "False"}
+                body = {**obj, "metadata": {**obj["metadata"], "uid": obj["_uid"]},
+                        "status": {"phase": phase, "conditions": [ready]}}
                 out.append(PodInfo.from_body(body))
         return out
 
