@@ -492,7 +492,9 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
 
     # ---- coordinator: progress, completion, rebalancing -------------------------------------------------
     coordinator_done = any(p.role == "coordinator" and p.phase == "Succeeded" for p in pods.values())
-    if trigger == "timer" and not suspended and any(p.role == "coordinator" for p in pods.values()):
+    # A terminating coordinator (a group restart, an eviction) may still answer: its word no longer counts.
+    if trigger == "timer" and not suspended and any(p.role == "coordinator" and not p.deleting
+                                                     for p in pods.values()):
         await _observe_coordinator(rt, job, owner, st, writer, pods, alloc, gen, now, key)
     if coordinator_done and st.get("phase") not in ("Complete", "Failed"):
         _complete(st, "the coordinator exited successfully", now, gen)

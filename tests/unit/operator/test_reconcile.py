@@ -6,13 +6,17 @@ The doubles record calls and keep objects like the API server would (create 409 
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
+import json
 from typing import Any
 
 import pytest
 from specrl.operator import children
 from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorError
+from specrl.operator.coordinator_client import CoordinatorError, InvalidStatus
+from specrl.operator.kube import ApiError
 from specrl.operator.rebalance import possible_moves
 from specrl.operator.reconcile import OperatorConfig, PodInfo, Runtime, reconcile
 from specrl.operator.status import get_condition
@@ -38,10 +42,14 @@ class FakeKube:
         self.calls: list[tuple[str, str, str]] = []
         self.status_patches: list[dict[str, Any]] = []
         self.uid = 0
+        self.refuse: dict[str, ApiError] = {}  # kind -> the error a create of that kind gets
+        self.graces: dict[str, int | None] = {}
 
     async def create(self, obj):
         key = (obj["kind"], obj["metadata"]["name"])
         self.calls.append(("create", *key))
+        if obj["kind"] in self.refuse:
+            raise self.refuse[obj["kind"]]
         if key in self.objects:
             return False
         self.uid += 1
@@ -50,6 +58,7 @@ class FakeKube:
 
     async def delete(self, kind, namespace, name, grace_seconds=None):
         self.calls.append(("delete", kind, name))
+        self.graces[name] = grace_seconds
         return self.objects.pop((kind, name), None) is not None
 
     async def get(self, kind, namespace, name):
@@ -82,11 +91,14 @@ class FakeCoord:
         self.drains: list[str] = []
         self.tokens: list[str] = []
         self.fail = False
+        self.error: CoordinatorError | None = None
         self.order: list[tuple[str, str]] = []
 
     async def status(self, namespace, name):
         if self.fail:
             raise CoordinatorError("GET http://x/status: connection refused")
+        if self.error is not None:
+            raise self.error
         return copy.deepcopy(self.state)
 
     async def drain(self, namespace, name, worker, token):
@@ -416,3 +428,266 @@ async def test_a_reconcile_of_a_deleted_job_does_not_revive_its_series(env):
     await run(rt, kube, body)
     assert job_series("specrl_operator_allocation_replicas") == []
     assert job_series("specrl_operator_rebalance_total") == []
+
+
+# ---- faults (issue 13): each test injects one fault and asserts the defined outcome -----------------------
+
+async def run_with(rt, kube, body, pods, trigger="timer"):
+    """One reconcile over an explicit pod list (the faults a kubelet or the cluster would report)."""
+    patch = await reconcile(rt, body, pods, trigger)
+    st = body.setdefault("status", {})
+    for p in [*kube.status_patches, patch]:
+        for k, v in p.items():
+            if v is None:
+                st.pop(k, None)
+            else:
+                st[k] = v
+    kube.status_patches.clear()
+    return patch
+
+
+def with_pod(kube, name, **changes):
+    """The observed pods, with ``name`` changed (phase, disruption, waiting, node, deleting...)."""
+    return [dataclasses.replace(p, **changes) if p.name == name else p for p in kube.pods()]
+
+
+async def running_job(rt, kube, **spec):
+    body = copy.deepcopy(JOB)
+    body["spec"].update(spec)
+    await run(rt, kube, body, "create")
+    await run(rt, kube, body)
+    assert body["status"]["phase"] == "Running"
+    return body
+
+
+async def test_coordinator_failed_releases_workers_and_sets_conditions_in_the_same_tick(env):
+    rt, kube, coord, events, _ = env
+    body = await running_job(rt, kube)
+    coord.state.update(phase="Failed", step=7)
+    await run(rt, kube, body)
+    st = body["status"]
+    assert st["phase"] == "Failed" and pod_names(kube) == ["j-coordinator-0"]
+    assert get_condition(st, "Failed")["reason"] == "CoordinatorFailed"
+    assert get_condition(st, "Ready") | {} and get_condition(st, "Ready")["status"] == "False"
+    assert ("Warning", "PhaseFailed") in [(e[0], e[1]) for e in events]
+
+
+async def test_a_reconcile_that_waited_for_the_lock_reads_the_job_again(env):
+    rt, kube, _coord, _events, _ = env
+    body = await running_job(rt, kube)
+    stale = copy.deepcopy(body)  # what an update handler captured before a move changed the allocation
+    body["status"]["allocation"] = {"trainer": {"replicas": 1, "gpus": 1}, "rollout": {"replicas": 3, "gpus": 3}}
+    body["status"]["applied"]["replicas"] = {"trainer": 2, "rollout": 2}
+    kube.objects[("RLJob", "j")] = body
+    del kube.objects[("Pod", "j-trainer-1")]
+    await kube.create(children.pod(_job(), children.Owner("j", "ns", "u-1"), "rollout", 2))
+    lock = rt.lock(("ns", "j"))
+    await lock.acquire()
+    task = asyncio.ensure_future(reconcile(rt, stale, kube.pods(), "update"))
+    await asyncio.sleep(0.01)
+    lock.release()
+    await task
+    # Converging the stale body would have deleted j-rollout-2 (undrained) and recreated j-trainer-1.
+    assert pod_names(kube) == ["j-coordinator-0", "j-rollout-0", "j-rollout-1", "j-rollout-2", "j-trainer-0"]
+
+
+def _job():
+    from specrl.runtime.api import RLJob
+    return RLJob.model_validate({k: JOB[k] for k in ("apiVersion", "kind", "metadata", "spec")}).resolved()
+
+
+async def test_lost_coordinator_restarts_the_whole_job_once(env):
+    rt, kube, _coord, events, clock = env
+    body = await running_job(rt, kube, backoffLimit=1)
+    uids = {p.name: p.uid for p in kube.pods()}
+    # The coordinator pod fails and its workers lose their Ray head in the same moment.
+    pods = [dataclasses.replace(p, phase="Failed", reason="Error (exit code 1)") for p in kube.pods()]
+    await run_with(rt, kube, body, pods)
+    st = body["status"]
+    assert st["restarts"] == 1 and st["phase"] == "Pending" and "restarting the coordinator" in st["message"]
+    assert pod_names(kube) == []  # everything deleted together, recreated after the backoff
+    assert [e[1] for e in events].count("CoordinatorLost") == 1
+    await run(rt, kube, body)  # inside the backoff window: nothing counted twice, nothing created
+    assert st["restarts"] == 1 and pod_names(kube) == []
+    clock.t += 11
+    await run(rt, kube, body, phase="Pending")
+    assert len(pod_names(kube)) == 5 and all(p.uid != uids[p.name] for p in kube.pods())
+    await run(rt, kube, body)
+    assert body["status"]["phase"] == "Running" and body["status"]["restarts"] == 1
+    # Gone while running (deleted, node lost): one more group restart; backoffLimit 1 is now exceeded.
+    await run_with(rt, kube, body, [p for p in kube.pods() if p.role != "coordinator"])
+    assert body["status"]["phase"] == "Failed" and pod_names(kube) == ["j-coordinator-0"]
+
+
+async def test_evicted_coordinator_restarts_the_job_without_counting(env):
+    rt, kube, _coord, _events, _ = env
+    body = await running_job(rt, kube)
+    pods = with_pod(kube, "j-coordinator-0", deleting=True, disruption="EvictionByEvictionAPI")
+    await run_with(rt, kube, body, pods)
+    st = body["status"]
+    assert st.get("restarts") is None and st["disruptions"] == 1 and st["phase"] == "Pending"
+    assert "nextRetryTime" not in st and pod_names(kube) == ["j-coordinator-0"]  # still terminating
+
+
+async def test_evictions_and_preemptions_do_not_count_against_backoff_limit(env):
+    rt, kube, _coord, events, _ = env
+    body = await running_job(rt, kube, backoffLimit=0)
+    for i, reason in enumerate(("EvictionByEvictionAPI", "PreemptionByScheduler", "Evicted")):
+        uid = {p.name: p.uid for p in kube.pods()}["j-rollout-1"]
+        await run_with(rt, kube, body, with_pod(kube, "j-rollout-1", phase="Failed", disruption=reason))
+        st = body["status"]
+        assert st["phase"] == "Running" and st.get("restarts") is None and st["disruptions"] == i + 1
+        assert "nextRetryTime" not in st
+        assert {p.name: p.uid for p in kube.pods()}["j-rollout-1"] != uid  # replaced at once
+    assert [e[1] for e in events].count("PodDisrupted") == 3
+
+
+async def test_pod_on_a_lost_node_is_force_deleted_after_the_grace_period(env):
+    rt, kube, _coord, events, clock = env
+    rt.config.node_lost_grace = 60
+    body = await running_job(rt, kube)
+    from specrl.operator.status import now_iso
+    node = {"metadata": {"name": "n1"}, "status": {"conditions": [
+        {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+         "lastTransitionTime": now_iso(clock.t - 30)}]}}
+    kube.objects[("Node", "n1")] = node
+    stuck = with_pod(kube, "j-rollout-1", node="n1", deleting=True, deleted_at=clock.t - 5)
+    await run_with(rt, kube, body, stuck)
+    assert kube.graces.get("j-rollout-1") is None and "j-rollout-1" in pod_names(kube)  # 30 s < 60 s grace
+    clock.t += 31
+    await run_with(rt, kube, body, stuck)
+    assert kube.graces["j-rollout-1"] == 0  # force-deleted: its fixed name is free again
+    assert "j-rollout-1" in pod_names(kube)  # ...and recreated in the same tick
+    assert body["status"].get("restarts") is None and body["status"]["disruptions"] == 1
+    assert any(e[1] == "NodeLost" for e in events)
+    # Phase Unknown (the kubelet stopped reporting) on the lost node: the same.
+    kube.graces.clear()
+    await run_with(rt, kube, body, with_pod(kube, "j-trainer-0", node="n1", phase="Unknown"))
+    assert kube.graces["j-trainer-0"] == 0 and body["status"]["disruptions"] == 2
+    # A healthy node: a slow termination is left alone.
+    node["status"]["conditions"][0]["status"] = "True"
+    kube.graces.clear()
+    await run_with(rt, kube, body, with_pod(kube, "j-trainer-0", node="n1", phase="Unknown"))
+    assert kube.graces == {}
+
+
+async def test_waiting_reasons_are_surfaced_and_the_startup_deadline_fails_the_job(env):
+    rt, kube, coord, events, clock = env
+    body = copy.deepcopy(JOB)
+    body["spec"]["startupDeadlineSeconds"] = 600
+    await run(rt, kube, body, "create")
+    coord.fail = True  # the coordinator never answers while its pod cannot pull its image
+    msg = 'ImagePullBackOff: Back-off pulling image "ghcr.io/x/specrl:typo"'
+    pods = with_pod(kube, "j-trainer-1", phase="Pending", waiting=msg)
+    for _ in range(3):
+        await run_with(rt, kube, body, pods)
+    ready = get_condition(body["status"], "Ready")
+    assert ready["reason"] == "ImagePullBackOff" and "j-trainer-1: ImagePullBackOff" in ready["message"]
+    assert [(e[0], e[1]) for e in events].count(("Warning", "ImagePullBackOff")) == 1  # once, not every tick
+    clock.t += 601
+    await run_with(rt, kube, body, pods)
+    st = body["status"]
+    assert st["phase"] == "Failed" and get_condition(st, "Failed")["reason"] == "StartupDeadlineExceeded"
+    assert "ImagePullBackOff" in st["message"] and pod_names(kube) == ["j-coordinator-0"]
+
+
+async def test_progress_deadline_fails_a_stalled_job(env):
+    rt, kube, coord, _events, clock = env
+    body = await running_job(rt, kube, progressDeadlineSeconds=300)
+    coord.state["step"] = 1
+    clock.t += 200
+    await run(rt, kube, body)
+    clock.t += 200  # step 1 was reached 200 s ago: within the deadline
+    await run(rt, kube, body)
+    assert body["status"]["phase"] == "Running"
+    coord.fail = True  # and then nothing: the coordinator stops answering
+    clock.t += 101
+    await run(rt, kube, body)
+    st = body["status"]
+    assert st["phase"] == "Failed" and get_condition(st, "Failed")["reason"] == "ProgressDeadlineExceeded"
+    assert "connection refused" in st["message"] and pod_names(kube) == ["j-coordinator-0"]
+
+
+async def test_refused_creates_set_a_condition_and_back_off(env):
+    rt, kube, _coord, events, _ = env
+    rt.config.create_backoff_base = 0.2
+    kube.refuse["Pod"] = ApiError(403, "POST", "/api/v1/namespaces/ns/pods", json.dumps(
+        {"kind": "Status", "code": 403, "message": 'pods "j-trainer-0" is forbidden: exceeded quota: gpus'}))
+    body = copy.deepcopy(JOB)
+    await run(rt, kube, body, "create")  # no exception: the reconcile finishes and writes the status
+    deg = get_condition(body["status"], "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "FailedCreate" and "exceeded quota" in deg["message"]
+    assert any(e[:2] == ("Warning", "FailedCreate") for e in events)
+    attempts = sum(1 for c in kube.calls if c[:2] == ("create", "Pod"))
+    await run(rt, kube, body)
+    assert sum(1 for c in kube.calls if c[:2] == ("create", "Pod")) == attempts  # backing off: no new try
+    del kube.refuse["Pod"]
+    await asyncio.sleep(0.25)
+    await run(rt, kube, body)
+    assert len(pod_names(kube)) == 5 and get_condition(body["status"], "Degraded")["status"] == "False"
+
+
+async def test_invalid_coordinator_status_degrades_and_never_reaches_the_status(env):
+    rt, kube, coord, _events, _ = env
+    body = await running_job(rt, kube)
+    coord.error = InvalidStatus("GET http://x/status: invalid status: queueDepth: Input should be a valid integer")
+    await run(rt, kube, body)
+    deg = get_condition(body["status"], "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "CoordinatorResponseInvalid" and "queueDepth" in deg["message"]
+    coord.error = None
+    await run(rt, kube, body)
+    assert get_condition(body["status"], "Degraded")["status"] == "False"
+
+
+async def test_job_level_objects_deleted_by_hand_are_recreated_on_the_next_tick(env):
+    rt, kube, _coord, events, _ = env
+    body = await running_job(rt, kube)
+    token = kube.objects[("Secret", "j-token")]["stringData"]["token"]
+    statics = {k for k in kube.objects if k[0] in ("Service", "ConfigMap")}
+    kube.calls.clear()
+    await reconcile(rt, body, kube.pods(), "timer", statics)
+    assert kube.writes() == []  # nothing missing: no request
+    del kube.objects[("Service", "j-workers")]
+    await reconcile(rt, body, kube.pods(), "timer", statics - {("Service", "j-workers")})
+    assert ("Service", "j-workers") in kube.objects and ("create", "Service", "j-workers") in kube.calls
+    assert any(e[1] == "ChildRecreated" for e in events)
+    # The Secret (not watched): recreated with the token the coordinator holds when a pod or a drain needs it.
+    del kube.objects[("Secret", "j-token")]
+    pods = with_pod(kube, "j-rollout-0", waiting='CreateContainerConfigError: secret "j-token" not found')
+    await reconcile(rt, body, pods, "timer", statics)
+    assert kube.objects[("Secret", "j-token")]["stringData"]["token"] == token
+
+
+async def test_a_retired_pod_outside_a_move_is_moved_or_replaced(env):
+    rt, kube, coord, _events, _ = env
+    body = await running_job(rt, kube)
+    workers = [{"name": p.name, "role": p.role, "state": "active"} for p in kube.pods() if p.role != "coordinator"]
+    coord.state["workers"] = workers
+    await run(rt, kube, body)  # the coordinator lists them as members
+    # A drain the operator sent whose move was abandoned (the request failed after reaching the coordinator).
+    rt.drained[("ns", "j")] = {"j-trainer-1"}
+    coord.state["workers"] = [w | {"state": "retired"} if w["name"] == "j-trainer-1" else w for w in workers]
+    await run(rt, kube, body)
+    assert pod_names(kube) == ["j-coordinator-0", "j-rollout-0", "j-rollout-1", "j-rollout-2", "j-trainer-0"]
+    assert body["status"]["lastRebalance"]["reason"] == "RetiredWorker"
+    # A worker the coordinator retired on its own (not drained): replaced in its role.
+    uid = {p.name: p.uid for p in kube.pods()}["j-rollout-0"]
+    coord.state["workers"] = [{"name": "j-rollout-0", "role": "rollout", "state": "retired"}]
+    await run(rt, kube, body)
+    assert "j-rollout-0" not in pod_names(kube)
+    await run(rt, kube, body)  # recreated by the level-based loop
+    assert {p.name: p.uid for p in kube.pods()}["j-rollout-0"] != uid
+    # The fresh pod reuses the name and is listed "retired" until it registers: left alone.
+    uid = {p.name: p.uid for p in kube.pods()}["j-rollout-0"]
+    await run(rt, kube, body)
+    assert {p.name: p.uid for p in kube.pods()}["j-rollout-0"] == uid
+
+
+async def test_no_rebalance_while_a_worker_pod_is_not_ready(env):
+    rt, kube, coord, _events, _ = env
+    body = await running_job(rt, kube)
+    coord.state["queueDepth"] = 50
+    await run_with(rt, kube, body, with_pod(kube, "j-rollout-1", phase="Pending", ready=False))
+    assert coord.drains == []
+    await run(rt, kube, body)
+    assert coord.drains == ["j-trainer-1"]
