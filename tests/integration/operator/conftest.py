@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:  # tests.kube is imported as a package from the repository root
     sys.path.insert(0, str(ROOT))
 
-from tests.kube.emulator import Emulator
+from tests.kube.nodes import Kubelet, NodeEmulator
 
 BIN = Path(sys.executable).parent
 KUBECTL = str(BIN / "kubectl")
@@ -73,6 +73,7 @@ class FakeCoordinator:
         self.polls: dict[tuple[str, str], int] = {}
         self.retire_after = 0.3
         self.down: set[tuple[str, str]] = set()
+        self.raw: dict[tuple[str, str], str] = {}  # a body served as is (garbage, NaN...) instead of the signals
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -95,6 +96,8 @@ class FakeCoordinator:
         self.polls[key] = self.polls.get(key, 0) + 1
         if key in self.down or key not in self.signals:
             return web.Response(status=503, text="coordinator not ready")
+        if key in self.raw:
+            return web.Response(text=self.raw[key], content_type="application/json")
         pods = self.env.emulator.list_objects(PODS, key[0], labels=f"specrl.io/job={key[1]}")
         states = self.states.setdefault(key, {})
         workers = []
@@ -144,7 +147,9 @@ class KubeEnv:
             "users": [{"name": "emu", "user": {"token": "test-token"}}],
             "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": "default"}}],
         }))
-        self.emulator = Emulator()
+        self.emulator = NodeEmulator()
+        # Pods are bound to Ready nodes and reported Running and Ready, as kubelets would.
+        self.kubelet = Kubelet(self.emulator)
         self.coordinator = FakeCoordinator(self)
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -164,8 +169,10 @@ class KubeEnv:
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", self.coord_port).start()
         async with self.emulator, kmock.Server(self.emulator, port=self.port):
+            await self.kubelet.start()
             self._ready.set()
             await self._stop.wait()
+            await self.kubelet.stop()
         await runner.cleanup()
 
     def close(self) -> None:
@@ -248,7 +255,8 @@ class OperatorProcess:
 
     def start(self) -> None:
         self.metrics_port, self.health_port = free_port(), free_port()
-        env = {**os.environ, "KUBECONFIG": str(self.env.kubeconfig), "SPECRL_OPERATOR_RESTART_BACKOFF": "0.5"}
+        env = {**os.environ, "KUBECONFIG": str(self.env.kubeconfig), "SPECRL_OPERATOR_RESTART_BACKOFF": "0.5",
+               "SPECRL_OPERATOR_NODE_LOST_GRACE": "1", "SPECRL_OPERATOR_CREATE_BACKOFF": "0.5"}
         self.proc = subprocess.Popen(
             [SPECRL, "operator", *([a for ns in self.namespaces for a in ("-n", ns)] or ["--all-namespaces"]),
              "--coordinator-url-template", f"http://127.0.0.1:{self.env.coord_port}/{{namespace}}/{{name}}",
