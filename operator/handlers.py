@@ -85,6 +85,15 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         info = PodInfo.from_body(body)
         return {(namespace, labels[children.LABEL_JOB]): info} if info is not None else None
 
+    @kopf.on.event("pods", labels={children.LABEL_JOB: kopf.PRESENT, children.LABEL_ROLE: "coordinator",
+                                   "app.kubernetes.io/managed-by": children.MANAGED_BY},
+                   id="coordinator_disruptions", registry=registry)
+    def coordinator_disruption(body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+        # An evicted coordinator can terminate between two ticks: remember that it was a disruption, so that
+        # the group restart its loss causes is not counted against backoffLimit.
+        if _runtime is not None and (info := PodInfo.from_body(body)) is not None:
+            _runtime.note_disruption((namespace, labels[children.LABEL_JOB]), info)
+
     def job_level(kind: str) -> Any:
         def index(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> Any:
             return {(namespace, labels[children.LABEL_JOB]): (kind, name)}

@@ -154,7 +154,9 @@ class TrackingKube:
 
     async def create(self, obj: Mapping[str, Any]) -> bool:
         created = await self._kube.create(obj)
-        if obj["kind"] == "Pod":
+        # A 409 is not a pod on its way: the name is still held (often by a pod that is terminating), so
+        # expecting it would hide that pod's replacement for the expectation TTL.
+        if obj["kind"] == "Pod" and created:
             name = obj["metadata"]["name"]
             self._exp.deleted.pop(name, None)
             self._exp.created[name] = time.monotonic()
@@ -192,6 +194,15 @@ class Runtime:
     # listed "retired" until it registers).
     members: dict[tuple[str, str], set[tuple[str, str]]] = field(default_factory=dict)
     drained: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    # Disruptions seen on coordinator pods, per job: pod name -> (uid, reason), kept after the pod is gone.
+    disrupted: dict[tuple[str, str], dict[str, tuple[str, str]]] = field(default_factory=dict)
+
+    def note_disruption(self, key: tuple[str, str], pod: PodInfo) -> None:
+        seen = self.disrupted.setdefault(key, {})
+        if pod.disruption:
+            seen[pod.name] = (pod.uid, pod.disruption)
+        elif pod.name in seen and seen[pod.name][0] != pod.uid:
+            del seen[pod.name]  # a new incarnation: the old record no longer applies
 
     def lock(self, key: tuple[str, str]) -> asyncio.Lock:
         return self.locks.setdefault(key, asyncio.Lock())
@@ -200,7 +211,7 @@ class Runtime:
         self.locks.pop(key, None)
         self.streaks.pop(key, None)
         self.expectations.pop(key, None)
-        for memo in (self.tokens, self.create_failures, self.waiting, self.members, self.drained):
+        for memo in (self.tokens, self.create_failures, self.waiting, self.members, self.drained, self.disrupted):
             memo.pop(key, None)
         self.coord.forget(*key)
 
@@ -633,7 +644,8 @@ async def _restart_group_if_coordinator_lost(rt: Runtime, job: RLJob, body: Mapp
         why, disruption = f"{name} failed ({coord.reason or 'Failed'})", coord.disruption
     elif st.get("phase") == "Running" and (coord is None or coord.deleting):
         why = f"{name} {'is terminating' if coord else 'disappeared'}"
-        disruption = coord.disruption if coord else ""
+        noted = rt.disrupted.get((owner.namespace, owner.name), {}).pop(name, ("", ""))
+        disruption = (coord.disruption if coord else "") or noted[1]
     if not why:
         return False
     workers = [p.name for p in pods.values() if p.role in children.WORKER_ROLES and not p.deleting]

@@ -1,16 +1,19 @@
 """Nodes for the API emulator: a kubelet stand-in, graceful pod deletion on lost nodes, and the Eviction API.
 
-The base `Emulator` removes a deleted pod at once (as if its kubelet confirmed instantly). A real pod on a node
-whose kubelet is gone stays `Terminating` forever instead, which is the fault the operator must handle; so:
+The base `Emulator` removes a deleted pod at once. A real API server keeps a pod that runs on a node
+`Terminating` until its kubelet confirms that the containers stopped, and a pod on a node whose kubelet is gone
+stays `Terminating` forever, which is the fault the operator must handle; so:
 
-- `NodeEmulator` (an `Emulator`): deleting a pod bound (`spec.nodeName`) to a node that is not Ready only
-  sets `deletionTimestamp` (request time + grace: the request's `gracePeriodSeconds`, else the pod's
-  `terminationGracePeriodSeconds`, else 30) and keeps the pod; a delete with `gracePeriodSeconds: 0` (what
-  `kubectl delete --force --grace-period=0` sends) removes it. `POST pods/<name>/eviction` (policy/v1, what
+- `NodeEmulator` (an `Emulator`): deleting a pod bound to a node (`spec.nodeName`) only sets
+  `deletionTimestamp` (request time + grace: the request's `gracePeriodSeconds`, else the pod's
+  `terminationGracePeriodSeconds`, else 30) and keeps the pod until the kubelet confirms; a delete with
+  `gracePeriodSeconds: 0` (what `kubectl delete --force --grace-period=0` sends) removes it at once. `POST pods/<name>/eviction` (policy/v1, what
   `kubectl drain` sends) marks the pod `DisruptionTarget=True, EvictionByEvictionAPI` and deletes it.
   `refuse[(METHOD, path)] = (code, reason, message)` answers such requests with that error and changes
   nothing, as an admission webhook or a ResourceQuota does (403 Forbidden, 422 Invalid).
-- `Kubelet`: plays the kubelets of the emulator's nodes. Every pod that is `Pending` and unbound is bound to
+- `Kubelet`: plays the kubelets of the emulator's nodes. It confirms the deletion of a terminating pod on a
+  Ready node after `confirm_after` seconds (its containers stopped); nobody does on a node that is not Ready.
+  Every pod that is `Pending` and unbound is bound to
   a Ready node (round robin) and reported `Running` and Ready, unless the test holds it (`hold[(ns, name)] =
   status`: that status is reported instead, e.g. an `ImagePullBackOff` waiting reason). Pods on a node that
   is not Ready are left as they are (nobody reports for them). It runs on the emulator's event loop.
@@ -20,14 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
+import time
 from typing import Any
 
 import attrs
 import kmock
 from kmock._internal import rendering
+from kmock._internal.k8s import KubernetesError
 
 from tests.kube.emulator import Emulator, _status
 
+log = logging.getLogger("tests.kube.nodes")
 PODS = kmock.resource("v1/pods")
 NODES = kmock.resource("v1/nodes")
 MERGE = "application/merge-patch+json"
@@ -95,10 +102,9 @@ class NodeEmulator(Emulator):
             if pod is None:
                 raise self._not_found(PODS, name)
             node = (pod.get("spec") or {}).get("nodeName")
-            lost = bool(node) and not node_ready(self._get(NODES, None, node))
-            if lost and (grace is None or int(grace) > 0):
+            if node and (grace is None or int(grace) > 0):
                 meta = pod["metadata"]
-                if not meta.get("deletionTimestamp"):  # the kubelet that would confirm it is gone
+                if not meta.get("deletionTimestamp"):  # Terminating until its kubelet confirms
                     seconds = int(grace if grace is not None else
                                   (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30))
                     meta["deletionTimestamp"] = _iso(dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=seconds))
@@ -113,10 +119,13 @@ class NodeEmulator(Emulator):
 class Kubelet:
     """Binds pending pods to Ready nodes and reports them Running and Ready (see the module docstring)."""
 
-    def __init__(self, emulator: Emulator, nodes: tuple[str, ...] = ("node-a", "node-b"), period: float = 0.05):
+    def __init__(self, emulator: Emulator, nodes: tuple[str, ...] = ("node-a", "node-b"), period: float = 0.05,
+                 confirm_after: float = 0.2):
         self.emulator = emulator
         self.node_names = nodes
         self.period = period
+        self.confirm_after = confirm_after
+        self._terminating: dict[str, float] = {}  # uid -> when first seen terminating
         self.hold: dict[tuple[str, str], dict[str, Any]] = {}
         self._next = 0
         self._task: asyncio.Task[None] | None = None
@@ -138,8 +147,10 @@ class Kubelet:
         while True:
             try:
                 await self._step()
-            except Exception:  # noqa: BLE001 - an object deleted meanwhile: try again next round
-                pass
+            except KubernetesError:
+                pass  # an object deleted meanwhile: next round
+            except Exception:  # a kubelet that dies silently would stall every test after it
+                log.exception("kubelet stand-in: step failed")
             await asyncio.sleep(self.period)
 
     async def _step(self) -> None:
@@ -148,7 +159,14 @@ class Kubelet:
         for pod in self.emulator.list_objects(PODS):
             meta, spec, status = pod["metadata"], pod.get("spec") or {}, pod.get("status") or {}
             key = (meta["namespace"], meta["name"])
-            if meta.get("deletionTimestamp") or status.get("phase") != "Pending" or spec.get("nodeName"):
+            if meta.get("deletionTimestamp"):
+                if spec.get("nodeName") in ready:
+                    seen = self._terminating.setdefault(meta["uid"], time.monotonic())
+                    if time.monotonic() - seen >= self.confirm_after:
+                        self._terminating.pop(meta["uid"], None)
+                        await self.emulator.delete(PODS, *key)
+                continue
+            if status.get("phase") != "Pending" or spec.get("nodeName"):
                 continue
             if key in self.hold:
                 if status != {**status, **self.hold[key]}:

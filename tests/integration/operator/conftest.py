@@ -51,14 +51,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1,
+             debug: Callable[[], Any] | None = None) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}" + (f": {debug()}" if debug else ""))
         time.sleep(interval)
 
 

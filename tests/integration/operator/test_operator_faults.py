@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from typing import Any
 
 import pytest
 
-from .conftest import KubeEnv, OperatorProcess, wait_for
+from .conftest import PODS, KubeEnv, OperatorProcess, wait_for
 from .test_operator_e2e import apply, condition, namespace, role_counts, small_job, status
 
 pytestmark = pytest.mark.integration
@@ -103,8 +104,8 @@ def test_quota_and_admission_refusals_set_a_condition_and_back_off(kube: KubeEnv
     ns, name = "f-quota", "job"
     namespace(kube, ns)
     path = f"/api/v1/namespaces/{ns}/pods"
-    kube.emulator.refuse[("POST", path)] = (403, "Forbidden", f'pods "{name}-trainer-0" is forbidden: exceeded '
-                                            'quota: gpu-quota, requested: nvidia.com/gpu=1, used: 8, limited: 8')
+    quota = f'pods "{name}-trainer-0" is forbidden: exceeded quota: gpu-quota, requested: nvidia.com/gpu=1, used: 8'
+    kube.emulator.refuse[("POST", path)] = (403, "Forbidden", quota)
     try:
         kube.coordinator.set(ns, name)
         apply(kube, small_job(name, ns))
@@ -127,29 +128,36 @@ def test_quota_and_admission_refusals_set_a_condition_and_back_off(kube: KubeEnv
     assert warnings and all(e["type"] == "Warning" for e in warnings)
 
 
-def test_evictions_and_a_node_drain_do_not_count(kube: KubeEnv, operator: OperatorProcess):
+def evict(kube: KubeEnv, ns: str, pod: str) -> None:
+    """POST the policy/v1 Eviction that `kubectl drain` sends (as JSON: kubectl itself sends protobuf)."""
+    body = json.dumps({"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": ns}})
+    req = urllib.request.Request(f"http://127.0.0.1:{kube.port}/api/v1/namespaces/{ns}/pods/{pod}/eviction",
+                                 data=body.encode(), method="POST", headers={"Content-Type": "application/json"})
+    assert urllib.request.urlopen(req, timeout=10).status == 201
+
+
+def test_evictions_and_preemptions_do_not_count(kube: KubeEnv, operator: OperatorProcess):
     ns, name = "f-evict", "job"
-    pods = running(kube, ns, name, backoffLimit=0, resources={**RESOURCES, "totalGPUs": None})
+    running(kube, ns, name, backoffLimit=0, resources={**RESOURCES, "totalGPUs": None})
     # The kubelet evicts a pod under node pressure: phase Failed, reason Evicted.
     victim = f"{name}-rollout-0"
     old = uid(kube, ns, name, victim)
     kubelet_reports(kube, ns, victim, {"phase": "Failed", "reason": "Evicted",
                                        "message": "The node was low on resource: memory."})
     wait_for(lambda: uid(kube, ns, name, victim) not in (None, old), 15, "the evicted pod replaced")
-    # `kubectl drain` evicts every pod on a node through the Eviction API (the coordinator too: a group restart).
-    node = pods[f"{name}-coordinator-0"]["spec"]["nodeName"]
-    before = {n: p["metadata"]["uid"] for n, p in kube.pods(ns, name).items()}
-    try:
-        kube.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=60s")
-        wait_for(lambda: all(uid(kube, ns, name, n) not in (None, u) for n, u in before.items()
-                             if kube.pods(ns, name).get(n, {}).get("spec", {}).get("nodeName") != node or True)
-                 and status(kube, ns, name).get("phase") == "Running", 30, "every pod replaced, the job running")
-    finally:
-        kube.kubectl("uncordon", node)
-    st = status(kube, ns, name)
-    assert st.get("restarts") in (None, 0) and st["disruptions"] >= 2, st
-    assert all(p["spec"]["nodeName"] != node for p in kube.pods(ns, name).values() if p["metadata"]["uid"] not in
-               before.values())
+    # The Eviction API (kubectl drain, the cluster autoscaler): a worker, then the coordinator (a group restart).
+    for pod in (f"{name}-trainer-1", f"{name}-coordinator-0"):
+        old = uid(kube, ns, name, pod)
+        evict(kube, ns, pod)
+        wait_for(lambda: uid(kube, ns, name, pod) not in (None, old)  # noqa: B023
+                 and status(kube, ns, name).get("phase") == "Running", 20, f"{pod} replaced, the job running",
+                 debug=lambda: (status(kube, ns, name).get("message"), status(kube, ns, name).get("lastFailure"),
+                                {n: (p["metadata"]["uid"], p["metadata"].get("deletionTimestamp"))
+                                 for n, p in kube.pods(ns, name).items()}))
+    # Counted as disruptions: the kubelet eviction and the group restart (an evicted worker is replaced once
+    # its terminating pod is gone, as any deleted pod).
+    st = wait_for(lambda: (s := status(kube, ns, name)).get("disruptions", 0) >= 2 and s, 10, "2 disruptions")
+    assert st.get("restarts") in (None, 0) and st["phase"] == "Running", st
     reasons = [e["reason"] for e in events(kube, ns)]
     assert "PodDisrupted" in reasons and "CoordinatorLost" in reasons and "PhaseFailed" not in reasons
 
@@ -177,8 +185,8 @@ def test_pod_on_a_lost_node_is_replaced_after_the_grace_period(kube: KubeEnv, op
             wait_for(lambda: uid(kube, ns, name, pod) not in (None, old[pod]), 20,  # noqa: B023
                      f"{pod} replaced on a live node")
             assert kube.pods(ns, name)[pod]["spec"].get("nodeName") in (None, coord_node)
-        st = status(kube, ns, name)
-        assert st.get("restarts") in (None, 0) and st["disruptions"] >= 2 and st["phase"] == "Running"
+        st = wait_for(lambda: (s := status(kube, ns, name)).get("disruptions", 0) >= 2 and s, 10, "2 disruptions")
+        assert st.get("restarts") in (None, 0) and st["phase"] == "Running"
         assert sum(e["reason"] == "NodeLost" for e in events(kube, ns)) >= 2
     finally:
         kube.kubectl("patch", "node", lost_node, "--subresource=status", "--type=merge", "-p", json.dumps(
@@ -189,11 +197,16 @@ def test_lost_coordinator_pod_restarts_the_job_once(kube: KubeEnv, operator: Ope
     ns, name = "f-coord", "job"
     pods = running(kube, ns, name, backoffLimit=1, resources={**RESOURCES, "totalGPUs": None})
     before = {n: p["metadata"]["uid"] for n, p in pods.items()}
-    kube.kubectl("delete", "pod", f"{name}-coordinator-0", "-n", ns, "--wait=false")
-    for worker in [n for n in before if "coordinator" not in n]:  # they lose their Ray head and exit
-        kube.kubectl("patch", "pod", worker, "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(
-            {"status": {"phase": "Failed", "containerStatuses": [{"name": "x", "state": {"terminated": {
-                "reason": "Error", "exitCode": 1}}}]}}), check=False)
+
+    async def lose_coordinator() -> None:
+        # In one go, as it happens: the coordinator pod is gone and its workers exit, having lost their Ray head.
+        await kube.emulator.delete(PODS, ns, f"{name}-coordinator-0")
+        for worker in [n for n in before if "coordinator" not in n]:
+            await kube.emulator.update(PODS, ns, worker, content_type="application/merge-patch+json",
+                                       subresource="status", patch={"status": {"phase": "Failed", "containerStatuses": [
+                                           {"name": "x", "state": {"terminated": {"reason": "Error", "exitCode": 1}}}]}})
+
+    kube.run_async(lose_coordinator())
     wait_for(lambda: all(uid(kube, ns, name, n) not in (None, u) for n, u in before.items()), 30,
              "the coordinator and every worker recreated")
     st = wait_for(lambda: (s := status(kube, ns, name)).get("phase") == "Running" and s, 20, "Running again")
@@ -260,7 +273,7 @@ def test_retired_pods_and_unready_pods(kube: KubeEnv, operator: OperatorProcess)
     victim = f"{name}-rollout-1"
     kube.kubelet.hold[(ns, victim)] = {"phase": "Pending", "conditions": [{
         "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes have a free GPU"}]}
-    kube.kubectl("delete", "pod", victim, "-n", ns)
+    kube.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
     wait_for(lambda: condition(status(kube, ns, name), "Ready").get("reason") == "Unschedulable", 15, "Unschedulable")
     kube.coordinator.set(ns, name, queueDepth=100)
     time.sleep(2.0)

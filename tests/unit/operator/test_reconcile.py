@@ -691,3 +691,13 @@ async def test_no_rebalance_while_a_worker_pod_is_not_ready(env):
     assert coord.drains == []
     await run(rt, kube, body)
     assert coord.drains == ["j-trainer-1"]
+
+
+async def test_a_coordinator_evicted_between_two_ticks_is_not_counted(env):
+    rt, kube, _coord, _events, _ = env
+    body = await running_job(rt, kube, backoffLimit=0)
+    coord = next(p for p in kube.pods() if p.role == "coordinator")
+    rt.note_disruption(("ns", "j"), dataclasses.replace(coord, disruption="EvictionByEvictionAPI", deleting=True))
+    await run_with(rt, kube, body, [p for p in kube.pods() if p.role != "coordinator"])  # gone before a tick saw it
+    st = body["status"]
+    assert st["phase"] == "Pending" and st.get("restarts") is None and st["disruptions"] == 1
