@@ -76,13 +76,13 @@ namespace; the cluster rules are what kopf needs to discover resources and names
   verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create", "delete"]
+  verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
@@ -95,6 +95,9 @@ namespace; the cluster rules are what kopf needs to discover resources and names
 - apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["get"]
 {{- end }}
 
 {{/* kopf peering (only with operator.peering): cluster-wide peering objects, or per-namespace ones. */}}

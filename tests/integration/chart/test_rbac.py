@@ -15,7 +15,7 @@ from specrl.operator.rbac import PEERING_RBAC_RULES, RBAC_RULES
 
 pytestmark = pytest.mark.integration
 
-CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"),
+CLUSTER_SCOPED = {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"), ("", "nodes"),
                   ("kopf.dev", "clusterkopfpeerings")}
 NAMESPACE = "specrl-system"
 RELEASE = "specrl"

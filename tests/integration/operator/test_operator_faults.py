@@ -63,12 +63,13 @@ def test_coordinator_reports_failed_workers_released_in_the_same_tick(kube: Kube
 def test_garbage_status_degrades_and_never_reaches_the_status(kube: KubeEnv, operator: OperatorProcess):
     ns, name = "f-garbage", "job"
     running(kube, ns, name)
+    # The three responses that crashed the tick or poisoned the status before (other shapes: unit tests).
     for raw in ('{"phase": "Rollout", "queueDepth": "lots"}', '{"phase": "Rollout", "tokensPerSecond": NaN}',
-                '{"phase": "Rollout", "step": 1e308, "tokensPerSecond": 1e308}', '[1, 2]', 'not json'):
+                '{"phase": "Rollout", "step": 1e308, "tokensPerSecond": 1e308}'):
         kube.coordinator.raw[(ns, name)] = raw
         deg = wait_for(lambda: (c := condition(status(kube, ns, name), "Degraded")).get("status") == "True" and c,
                        15, f"Degraded for {raw}")
-        assert deg["reason"] in ("CoordinatorResponseInvalid", "CoordinatorUnreachable"), deg
+        assert deg["reason"] == "CoordinatorResponseInvalid", deg
         out = kube.kubectl("get", "rlj", name, "-n", ns, "-o", "json").stdout  # the status stays valid JSON
         st = json.loads(out)["status"]
         assert st["rollout"]["tokensPerSecond"] == 1000 and st["step"] == 1
@@ -113,9 +114,9 @@ def test_quota_and_admission_refusals_set_a_condition_and_back_off(kube: KubeEnv
                        and c, 15, "Degraded=True, FailedCreate")
         assert deg["status"] == "True" and "exceeded quota" in deg["message"]
         before = len(kube.requests())
-        time.sleep(3.0)  # ten timer ticks at 0.3 s: the backoff (0.5, 1, 2 s...) allows a few attempts only
+        time.sleep(2.4)  # eight timer ticks at 0.3 s: the backoff (0.5, 1, 2 s...) allows two or three tries
         attempts = [r for r in kube.requests()[before:] if str(r.url.path) == path]
-        assert 0 < len(attempts) <= 3 * 3, len(attempts)  # at most 3 tries of 3 pods, not 10
+        assert 0 < len(attempts) <= 3 * 3, len(attempts)  # at most 3 tries of 3 pods, not 8
         kube.emulator.refuse[("POST", path)] = (422, "Invalid", 'admission webhook "gpu.policy" denied the request')
         wait_for(lambda: "denied the request" in condition(status(kube, ns, name), "Degraded").get("message", ""),
                  15, "the 422 reported")
