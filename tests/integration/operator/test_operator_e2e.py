@@ -6,6 +6,7 @@ Request counts and the rebalance trace are printed (run with ``-s``) and written
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -494,8 +495,10 @@ def test_two_hundred_jobs_reconcile_within_a_minute(kube: KubeEnv, operator: Ope
         wait_for(done, 90, "200 RLJobs with their pods and status", interval=0.5)
         elapsed = time.monotonic() - t0
         writes = kube.operator_writes(kube.requests(), ns)
+        kinds = collections.Counter(f"{w.split(' ')[0]} {w.split('/')[-2 if w.endswith('/status') else -1]}"
+                                    .rstrip("0123456789-") for w in writes)
         _report("fleet_200", {"kubectl_apply_seconds": round(applied, 1), "reconciled_seconds": round(elapsed, 1),
-                              "operator_writes": len(writes)})
+                              "operator_writes": len(writes), "by_kind": dict(kinds.most_common(8))})
         assert elapsed < 60
     finally:
         kube.kubelet.paused = False
