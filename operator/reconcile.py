@@ -751,12 +751,17 @@ async def _move(rt: Runtime, job: RLJob, owner: children.Owner, pending: actuato
     def emit(kind: str, reason: str, message: str) -> None:
         rt.emit(writer.body, kind, reason, message)
 
-    rt.drained.setdefault((owner.namespace, owner.name), set()).add(pending.victim)
-    return await actuator.execute(
+    # Remembered until the move completes: a drain whose move is abandoned may still retire the victim.
+    drained = rt.drained.setdefault((owner.namespace, owner.name), set())
+    drained.add(pending.victim)
+    done = await actuator.execute(
         job=job, owner=owner, pending=pending, status=st, kube=rt.kube, coord=rt.coord, persist=writer.persist,
         known_token=rt.tokens.get((owner.namespace, owner.name), ""),
         now=rt.clock, drain_timeout=float(job.spec.elastic.drain_timeout_seconds), drain_poll=rt.config.drain_poll,
         generation=gen, emit=emit)
+    if done:
+        drained.discard(pending.victim)
+    return done
 
 
 async def _observe_coordinator(rt: Runtime, job: RLJob, owner: children.Owner, st: dict[str, Any],

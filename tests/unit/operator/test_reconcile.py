@@ -92,6 +92,7 @@ class FakeCoord:
         self.tokens: list[str] = []
         self.fail = False
         self.error: CoordinatorError | None = None
+        self.drain_error: CoordinatorError | None = None
         self.order: list[tuple[str, str]] = []
 
     async def status(self, namespace, name):
@@ -104,6 +105,8 @@ class FakeCoord:
     async def drain(self, namespace, name, worker, token):
         self.tokens.append(token)
         self.drains.append(worker)
+        if self.drain_error is not None:
+            raise self.drain_error
         return "draining"
 
     def backing_off(self, namespace, name, now=None):
@@ -664,8 +667,15 @@ async def test_a_retired_pod_outside_a_move_is_moved_or_replaced(env):
     workers = [{"name": p.name, "role": p.role, "state": "active"} for p in kube.pods() if p.role != "coordinator"]
     coord.state["workers"] = workers
     await run(rt, kube, body)  # the coordinator lists them as members
-    # A drain the operator sent whose move was abandoned (the request failed after reaching the coordinator).
-    rt.drained[("ns", "j")] = {"j-trainer-1"}
+    # A drain whose request failed after reaching the coordinator: the move is abandoned...
+    coord.drain_error = CoordinatorError("POST http://x/drain: ServerDisconnectedError")
+    coord.state["queueDepth"] = 50
+    await run(rt, kube, body)
+    assert coord.drains == ["j-trainer-1"] and get_condition(body["status"], "Rebalancing")["reason"] == "DrainFailed"
+    assert "j-trainer-1" in pod_names(kube)
+    # ...but the coordinator retired the worker: its pod would idle on a GPU. The move is finished.
+    coord.drain_error = None
+    coord.state["queueDepth"] = 0
     coord.state["workers"] = [w | {"state": "retired"} if w["name"] == "j-trainer-1" else w for w in workers]
     await run(rt, kube, body)
     assert pod_names(kube) == ["j-coordinator-0", "j-rollout-0", "j-rollout-1", "j-rollout-2", "j-trainer-0"]
