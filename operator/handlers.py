@@ -8,6 +8,8 @@
 * an index of the job's pods (``specrl.io/job`` label) so that observing children costs no API request, and
   one of its Services and ConfigMap, so that every reconcile recreates one deleted by hand for free (the
   Secret is not watched: the operator may not list Secrets; see :func:`reconcile._ensure_static`).
+* an event handler on coordinator pods that remembers an eviction or preemption, so that a coordinator that
+  terminates between two ticks still restarts its job without counting a failure.
 
 Registration is explicit (:func:`register` into a registry) because the timer interval comes from the
 command line.

@@ -6,8 +6,12 @@ compares it with the pods kopf's index has observed, creates what is missing and
 Names are deterministic (``{job}-{role}-{index}``), so a repeated or concurrent create is a 409, never a
 duplicate. Writes happen only when something differs; the status is patched only when it changed.
 
-Decisions live in pure modules (:mod:`children`, :mod:`rebalance`, :mod:`status`); this module sequences
-them and talks to the adapters (:class:`KubeClient`, :class:`CoordinatorClient`).
+Faults (operator/README.md, "What happens when..."): failed and disrupted pods, a lost coordinator (one group
+restart), pods on lost nodes, refused creates, deadlines, retired pods and invalid coordinator answers are
+handled here with the classifications of :mod:`faults`.
+
+Decisions live in pure modules (:mod:`children`, :mod:`rebalance`, :mod:`status`, :mod:`faults`); this module
+sequences them and talks to the adapters (:class:`KubeClient`, :class:`CoordinatorClient`).
 """
 
 from __future__ import annotations
