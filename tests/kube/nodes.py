@@ -7,16 +7,17 @@ stays `Terminating` forever, which is the fault the operator must handle; so:
 - `NodeEmulator` (an `Emulator`): deleting a pod bound to a node (`spec.nodeName`) only sets
   `deletionTimestamp` (request time + grace: the request's `gracePeriodSeconds`, else the pod's
   `terminationGracePeriodSeconds`, else 30) and keeps the pod until the kubelet confirms; a delete with
-  `gracePeriodSeconds: 0` (what `kubectl delete --force --grace-period=0` sends) removes it at once. `POST pods/<name>/eviction` (policy/v1, what
-  `kubectl drain` sends) marks the pod `DisruptionTarget=True, EvictionByEvictionAPI` and deletes it.
+  `gracePeriodSeconds: 0` (what `kubectl delete --force --grace-period=0` sends) removes it at once.
+  Watch lists (`sendInitialEvents=true`, which `kubectl delete` uses to wait) end their initial events with
+  the `k8s.io/initial-events-end` bookmark. `POST pods/<name>/eviction` (policy/v1, what `kubectl drain`
+  sends) marks the pod `DisruptionTarget=True, EvictionByEvictionAPI` and deletes it.
   `refuse[(METHOD, path)] = (code, reason, message)` answers such requests with that error and changes
   nothing, as an admission webhook or a ResourceQuota does (403 Forbidden, 422 Invalid).
-- `Kubelet`: plays the kubelets of the emulator's nodes. It confirms the deletion of a terminating pod on a
-  Ready node after `confirm_after` seconds (its containers stopped); nobody does on a node that is not Ready.
-  Every pod that is `Pending` and unbound is bound to
-  a Ready node (round robin) and reported `Running` and Ready, unless the test holds it (`hold[(ns, name)] =
-  status`: that status is reported instead, e.g. an `ImagePullBackOff` waiting reason). Pods on a node that
-  is not Ready are left as they are (nobody reports for them). It runs on the emulator's event loop.
+- `Kubelet`: plays the kubelets of the emulator's nodes. Every pod that is `Pending` and unbound is bound to a
+  Ready, schedulable node (round robin) and reported `Running` and Ready, unless the test holds it
+  (`hold[(ns, name)] = status`: that status is reported instead, e.g. an `ImagePullBackOff` waiting reason).
+  It confirms the deletion of a terminating pod on a Ready node after `confirm_after` seconds; nobody reports
+  for pods on a node that is not Ready. It runs on the emulator's event loop; `paused` stops it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import datetime as dt
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -88,6 +90,33 @@ class NodeEmulator(Emulator):
         grace = ((request.data or {}).get("deleteOptions") or {}).get("gracePeriodSeconds")
         await self._delete_pod(pod["metadata"]["namespace"], pod["metadata"]["name"], grace, None)
         return rendering.Response(status=201, payload={"apiVersion": "v1", "kind": "Status", "status": "Success"})
+
+    # `kubectl delete` waits for a terminating pod with a watch list (`sendInitialEvents=true`): the current
+    # objects as ADDED events, then a BOOKMARK annotated `k8s.io/initial-events-end`, then the changes.
+    async def _watch_stream(self, request: rendering.Request) -> AsyncIterator[Any]:
+        if request.params.get("sendInitialEvents") != "true":
+            async for chunk in super()._watch_stream(request):
+                yield chunk
+            return
+        res = request.resource
+        async with self._mutex:
+            rv = str(self._rv)
+            initial = self.list_objects(res, request.namespace, labels=request.params.get("labelSelector"),
+                                        fields=request.params.get("fieldSelector"))
+        params = {k: v for k, v in request.params.items() if k not in ("sendInitialEvents", "resourceVersionMatch")}
+        inner = attrs.evolve(request, params={**params, "resourceVersion": rv})
+        table = self._wants_table(request)
+        first = True
+        async for chunk in super()._watch_stream(inner):
+            yield chunk
+            if first:  # right after the headers
+                first = False
+                for obj in initial:
+                    if request.name is None or obj["metadata"]["name"] == request.name:
+                        yield self._watch_event(res, {"type": "ADDED", "object": obj}, table)
+                yield {"type": "BOOKMARK", "object": {
+                    "kind": self.info(res).kind, "apiVersion": res.group and f"{res.group}/{res.version}" or res.version,
+                    "metadata": {"resourceVersion": rv, "annotations": {"k8s.io/initial-events-end": "true"}}}}
 
     async def _serve_delete(self, request: rendering.Request) -> Any:
         if request.resource is None or request.resource.plural != "pods" or request.name is None:

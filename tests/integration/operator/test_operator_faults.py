@@ -274,7 +274,7 @@ def test_retired_pods_and_unready_pods(kube: KubeEnv, operator: OperatorProcess)
     victim = f"{name}-rollout-1"
     kube.kubelet.hold[(ns, victim)] = {"phase": "Pending", "conditions": [{
         "type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes have a free GPU"}]}
-    kube.kubectl("delete", "pod", victim, "-n", ns, "--wait=false")
+    kube.kubectl("delete", "pod", victim, "-n", ns)  # waits until the kubelet confirms
     wait_for(lambda: condition(status(kube, ns, name), "Ready").get("reason") == "Unschedulable", 15, "Unschedulable")
     kube.coordinator.set(ns, name, queueDepth=100)
     time.sleep(2.0)
