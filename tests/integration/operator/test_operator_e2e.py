@@ -182,6 +182,8 @@ def test_idle_timer_ticks_write_nothing(kube: KubeEnv, operator: OperatorProcess
     ticks = kube.coordinator.polls[(ns, "quiet")] - polls_before
     _report("idle_ticks", {"ticks": ticks, "writes": len(writes)})
     assert writes == []
+    # Reads too: ensuring every child on every tick costs nothing while they all exist (watched).
+    assert kube.operator_requests(kube.requests()[start:], ns) == []
 
     # The coordinator stops answering: Degraded (no moves), and back when it answers again.
     kube.coordinator.down.add((ns, "quiet"))
