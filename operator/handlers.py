@@ -8,8 +8,9 @@
 * an index of the job's pods (``specrl.io/job`` label) so that observing children costs no API request, and
   one of its Services and ConfigMap, so that every reconcile recreates one deleted by hand for free (the
   Secret is not watched: the operator may not list Secrets; see :func:`reconcile._ensure_static`).
-* an event handler on coordinator pods that remembers an eviction or preemption, so that a coordinator that
-  terminates between two ticks still restarts its job without counting a failure.
+* an event handler on the job's pods that remembers an eviction or preemption, so that a pod that terminates
+  between two ticks is still counted as a disruption (and an evicted coordinator's group restart not as a
+  failure).
 
 Registration is explicit (:func:`register` into a registry) because the timer interval comes from the
 command line.
@@ -87,12 +88,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         info = PodInfo.from_body(body)
         return {(namespace, labels[children.LABEL_JOB]): info} if info is not None else None
 
-    @kopf.on.event("pods", labels={children.LABEL_JOB: kopf.PRESENT, children.LABEL_ROLE: "coordinator",
+    @kopf.on.event("pods", labels={children.LABEL_JOB: kopf.PRESENT,
                                    "app.kubernetes.io/managed-by": children.MANAGED_BY},
-                   id="coordinator_disruptions", registry=registry)
-    def coordinator_disruption(body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any) -> None:
-        # An evicted coordinator can terminate between two ticks: remember that it was a disruption, so that
-        # the group restart its loss causes is not counted against backoffLimit.
+                   id="pod_disruptions", registry=registry)
+    def pod_disruption(body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+        # An evicted pod can terminate between two ticks: remember the disruption, so that it is counted once
+        # and the group restart an evicted coordinator causes is not counted against backoffLimit.
         if _runtime is not None and (info := PodInfo.from_body(body)) is not None:
             _runtime.note_disruption((namespace, labels[children.LABEL_JOB]), info)
 

@@ -198,8 +198,10 @@ class Runtime:
     # listed "retired" until it registers).
     members: dict[tuple[str, str], set[tuple[str, str]]] = field(default_factory=dict)
     drained: dict[tuple[str, str], set[str]] = field(default_factory=dict)
-    # Disruptions seen on coordinator pods, per job: pod name -> (uid, reason), kept after the pod is gone.
+    # Disruptions seen on the job's pods (by the pod watch, or a reconcile), per job: pod name -> (uid, reason),
+    # kept after the pod is gone (an evicted pod can terminate between two ticks); and those already counted.
     disrupted: dict[tuple[str, str], dict[str, tuple[str, str]]] = field(default_factory=dict)
+    disruptions_counted: dict[tuple[str, str], set[str]] = field(default_factory=dict)
 
     def note_disruption(self, key: tuple[str, str], pod: PodInfo) -> None:
         seen = self.disrupted.setdefault(key, {})
@@ -215,7 +217,8 @@ class Runtime:
         self.locks.pop(key, None)
         self.streaks.pop(key, None)
         self.expectations.pop(key, None)
-        for memo in (self.tokens, self.create_failures, self.waiting, self.members, self.drained, self.disrupted):
+        for memo in (self.tokens, self.create_failures, self.waiting, self.members, self.drained, self.disrupted,
+                     self.disruptions_counted):
             memo.pop(key, None)
         self.coord.forget(*key)
 
@@ -478,7 +481,8 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
         set_condition(st, "Suspended", False, "Resumed", "spec.suspend is false", now, gen)
 
     # ---- lost nodes, a lost coordinator, failed and disrupted pods ---------------------------------------
-    lost = await _release_lost_pods(rt, body, owner, pods, st, now)
+    lost = await _release_lost_pods(rt, body, owner, pods, now)
+    _count_disruptions(rt, body, key, pods, st)
     if await _restart_group_if_coordinator_lost(rt, job, body, owner, pods, st, writer, lost, now, gen):
         return writer.final(st)
     if await _handle_failed_workers(rt, job, body, owner, pods, st, writer, now, gen):
@@ -602,7 +606,7 @@ async def _ensure_static(rt: Runtime, key: tuple[str, str], desired: children.De
 
 
 async def _release_lost_pods(rt: Runtime, body: Mapping[str, Any], owner: children.Owner,
-                             pods: dict[str, PodInfo], st: dict[str, Any], now: float) -> dict[str, str]:
+                             pods: dict[str, PodInfo], now: float) -> dict[str, str]:
     """Force-delete pods stuck on a lost node (phase Unknown, or terminating past their deletion time).
 
     Kubernetes never confirms the deletion of a pod whose kubelet is gone, and a pod with a fixed name then
@@ -622,7 +626,8 @@ async def _release_lost_pods(rt: Runtime, body: Mapping[str, Any], owner: childr
         m.API_WRITES.labels("delete", "Pod").inc()
         rt.emit(body, "Warning", "NodeLost", f"{pod.name} ({pod.phase or 'terminating'}): {why}; force-deleted, "
                 f"it is replaced without counting against spec.backoffLimit")
-        st["disruptions"] = int(st.get("disruptions") or 0) + 1
+        # Counted once (by UID) with the other disruptions, whether or not the cluster marked it too.
+        rt.note_disruption((owner.namespace, owner.name), dataclasses.replace(pod, disruption=pod.disruption or "NodeLost"))
         released[pod.name] = f"NodeLost: {why}"
         del pods[pod.name]
     return released
@@ -648,14 +653,13 @@ async def _restart_group_if_coordinator_lost(rt: Runtime, job: RLJob, body: Mapp
         why, disruption = f"{name} failed ({coord.reason or 'Failed'})", coord.disruption
     elif st.get("phase") == "Running" and (coord is None or coord.deleting):
         why = f"{name} {'is terminating' if coord else 'disappeared'}"
-        noted = rt.disrupted.get((owner.namespace, owner.name), {}).pop(name, ("", ""))
+        noted = rt.disrupted.get((owner.namespace, owner.name), {}).get(name, ("", ""))
         disruption = (coord.disruption if coord else "") or noted[1]
     if not why:
         return False
     workers = [p.name for p in pods.values() if p.role in children.WORKER_ROLES and not p.deleting]
     if disruption:
-        st["disruptions"] = int(st.get("disruptions") or 0) + 1
-        delay = 0.0
+        delay = 0.0  # counted in status.disruptions when it was seen
     else:
         restarts = int(st.get("restarts") or 0) + 1
         st["restarts"] = restarts
@@ -697,13 +701,7 @@ async def _handle_failed_workers(rt: Runtime, job: RLJob, body: Mapping[str, Any
               and p.phase in ("Failed", "Succeeded")]
     last_uid = (st.get("lastFailure") or {}).get("uid")
     new = [p for p in failed if p.uid != last_uid]
-    disrupted = [p for p in new if p.disruption]
-    counted = [p for p in new if not p.disruption]
-    if disrupted:
-        st["disruptions"] = int(st.get("disruptions") or 0) + len(disrupted)
-        for p in disrupted:
-            rt.emit(body, "Warning", "PodDisrupted", f"{p.name} was disrupted ({p.disruption}); replaced at once, "
-                    "not counted against spec.backoffLimit")
+    counted = [p for p in new if not p.disruption]  # disruptions: see _count_disruptions
     if new:
         last = new[-1]
         st["lastFailure"] = {"pod": last.name, "uid": last.uid, "time": now_iso(now),
@@ -732,6 +730,20 @@ async def _handle_failed_workers(rt: Runtime, job: RLJob, body: Mapping[str, Any
         for p in failed:
             pods.pop(p.name, None)
     return False
+
+
+def _count_disruptions(rt: Runtime, body: Mapping[str, Any], key: tuple[str, str], pods: Mapping[str, PodInfo],
+                       st: dict[str, Any]) -> None:
+    """Count every disrupted pod once (by UID) in ``status.disruptions``, with a Warning event."""
+    for pod in pods.values():
+        rt.note_disruption(key, pod)
+    counted = rt.disruptions_counted.setdefault(key, set())
+    for name, (uid, reason) in sorted(rt.disrupted.get(key, {}).items()):
+        if uid and uid not in counted:
+            counted.add(uid)
+            st["disruptions"] = int(st.get("disruptions") or 0) + 1
+            rt.emit(body, "Warning", "PodDisrupted", f"{name} was disrupted ({reason}); it is replaced without "
+                    "counting against spec.backoffLimit")
 
 
 def _complete(st: dict[str, Any], message: str, now: float, gen: int | None) -> None:

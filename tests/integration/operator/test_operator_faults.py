@@ -155,9 +155,7 @@ def test_evictions_and_preemptions_do_not_count(kube: KubeEnv, operator: Operato
                  debug=lambda: (status(kube, ns, name).get("message"), status(kube, ns, name).get("lastFailure"),
                                 {n: (p["metadata"]["uid"], p["metadata"].get("deletionTimestamp"))
                                  for n, p in kube.pods(ns, name).items()}))
-    # Counted as disruptions: the kubelet eviction and the group restart (an evicted worker is replaced once
-    # its terminating pod is gone, as any deleted pod).
-    st = wait_for(lambda: (s := status(kube, ns, name)).get("disruptions", 0) >= 2 and s, 10, "2 disruptions")
+    st = wait_for(lambda: (s := status(kube, ns, name)).get("disruptions", 0) == 3 and s, 10, "3 disruptions")
     assert st.get("restarts") in (None, 0) and st["phase"] == "Running", st
     reasons = [e["reason"] for e in events(kube, ns)]
     assert "PodDisrupted" in reasons and "CoordinatorLost" in reasons and "PhaseFailed" not in reasons
