@@ -202,6 +202,7 @@ class Runtime:
     # kept after the pod is gone (an evicted pod can terminate between two ticks); and those already counted.
     disrupted: dict[tuple[str, str], dict[str, tuple[str, str]]] = field(default_factory=dict)
     disruptions_counted: dict[tuple[str, str], set[str]] = field(default_factory=dict)
+    secret_seen: set[tuple[str, str]] = field(default_factory=set)  # jobs whose Secret this process saw exist
 
     def note_disruption(self, key: tuple[str, str], pod: PodInfo) -> None:
         seen = self.disrupted.setdefault(key, {})
@@ -220,6 +221,7 @@ class Runtime:
         for memo in (self.tokens, self.create_failures, self.waiting, self.members, self.drained, self.disrupted,
                      self.disruptions_counted):
             memo.pop(key, None)
+        self.secret_seen.discard(key)
         self.coord.forget(*key)
 
 
@@ -343,8 +345,10 @@ class StatusWriter:
 
 
 async def _create_all(rt: Runtime, key: tuple[str, str], objs: list[dict[str, Any]], st: dict[str, Any],
-                      body: Mapping[str, Any], now: float, gen: int | None) -> list[dict[str, Any]]:
-    """Create ``objs`` unless a refused create is backing off; returns the objects actually created.
+                      body: Mapping[str, Any], now: float, gen: int | None,
+                      present: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Create ``objs`` unless a refused create is backing off; returns the objects actually created and
+    appends to ``present`` those that already existed (409).
 
     A refusal (quota 403, admission 422, any API error but 409) is not an error of the reconcile: the job gets
     ``Degraded=True, FailedCreate`` and a Warning event, and creates wait ``create_delay`` (growing) seconds.
@@ -364,6 +368,8 @@ async def _create_all(rt: Runtime, key: tuple[str, str], objs: list[dict[str, An
             raise result
         elif result:
             created.append(obj)
+        elif present is not None:
+            present.append(obj)
     if refused:
         failures += 1
         delay = faults.create_delay(failures, rt.config.create_backoff_base, rt.config.create_backoff_max)
@@ -587,12 +593,17 @@ async def _ensure_static(rt: Runtime, key: tuple[str, str], desired: children.De
         wanted = list(desired.static.values()) if handler else []
     else:
         config_error = any(p.waiting.startswith("CreateContainerConfigError") for p in pods.values())
+        # The Secret until this process saw it exist (a refused or skipped create is retried), then on demand.
+        need_secret = handler or config_error or key not in rt.secret_seen
         wanted = [obj for k, obj in desired.static.items()
-                  if (k == secret_key and (handler or config_error)) or (k != secret_key and k not in statics)]
+                  if (k == secret_key and need_secret) or (k != secret_key and k not in statics)]
         if not handler:
             for obj in wanted:
                 log.warning("%s/%s: %s %s may be missing; recreating it", *key, obj["kind"], obj["metadata"]["name"])
-    created = await _create_all(rt, key, wanted, st, body, now, gen)
+    present: list[dict[str, Any]] = []
+    created = await _create_all(rt, key, wanted, st, body, now, gen, present)
+    if any(obj["kind"] == "Secret" for obj in created + present):
+        rt.secret_seen.add(key)
     if not handler:
         for obj in created:
             rt.emit(body, "Warning", "ChildRecreated",

@@ -711,3 +711,19 @@ async def test_a_coordinator_evicted_between_two_ticks_is_not_counted(env):
     await run_with(rt, kube, body, [p for p in kube.pods() if p.role != "coordinator"])  # gone before a tick saw it
     st = body["status"]
     assert st["phase"] == "Pending" and st.get("restarts") is None and st["disruptions"] == 1
+
+
+async def test_a_secret_whose_create_failed_is_created_by_a_later_tick(env):
+    rt, kube, _coord, _events, _ = env
+    rt.config.create_backoff_base = 0.0
+    kube.refuse["Secret"] = ApiError(500, "POST", "/api/v1/namespaces/ns/secrets", "etcdserver: request timed out")
+    body = copy.deepcopy(JOB)
+    await run(rt, kube, body, "create")
+    assert ("Secret", "j-token") not in kube.objects
+    del kube.refuse["Secret"]
+    statics = {k for k in kube.objects if k[0] in ("Service", "ConfigMap")}
+    await reconcile(rt, body, kube.pods(), "timer", statics)
+    assert ("Secret", "j-token") in kube.objects
+    kube.calls.clear()
+    await reconcile(rt, body, kube.pods(), "timer", statics)
+    assert not [c for c in kube.calls if c[1] == "Secret"]  # seen: no request on later ticks
