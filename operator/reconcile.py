@@ -203,6 +203,9 @@ class Runtime:
     disrupted: dict[tuple[str, str], dict[str, tuple[str, str]]] = field(default_factory=dict)
     disruptions_counted: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     secret_seen: set[tuple[str, str]] = field(default_factory=set)  # jobs whose Secret this process saw exist
+    # Job-level objects this process created or found (409) that the watch has not reported yet, per job:
+    # (kind, name) -> monotonic time; not created again until the watch catches up or EXPECTATION_TTL passes.
+    statics_expected: dict[tuple[str, str], dict[tuple[str, str], float]] = field(default_factory=dict)
 
     def note_disruption(self, key: tuple[str, str], pod: PodInfo) -> None:
         seen = self.disrupted.setdefault(key, {})
@@ -219,7 +222,7 @@ class Runtime:
         self.streaks.pop(key, None)
         self.expectations.pop(key, None)
         for memo in (self.tokens, self.create_failures, self.waiting, self.members, self.drained, self.disrupted,
-                     self.disruptions_counted):
+                     self.disruptions_counted, self.statics_expected):
             memo.pop(key, None)
         self.secret_seen.discard(key)
         self.coord.forget(*key)
@@ -595,8 +598,13 @@ async def _ensure_static(rt: Runtime, key: tuple[str, str], desired: children.De
         config_error = any(p.waiting.startswith("CreateContainerConfigError") for p in pods.values())
         # The Secret until this process saw it exist (a refused or skipped create is retried), then on demand.
         need_secret = handler or config_error or key not in rt.secret_seen
+        expected = rt.statics_expected.setdefault(key, {})
+        clock = time.monotonic()
+        for k, at in list(expected.items()):
+            if k in statics or clock - at > EXPECTATION_TTL:
+                del expected[k]  # the watch reports it (or never will): trust the watch again
         wanted = [obj for k, obj in desired.static.items()
-                  if (k == secret_key and need_secret) or (k != secret_key and k not in statics)]
+                  if (k == secret_key and need_secret) or (k != secret_key and k not in statics and k not in expected)]
         if not handler:
             for obj in wanted:
                 log.warning("%s/%s: %s %s may be missing; recreating it", *key, obj["kind"], obj["metadata"]["name"])
@@ -604,6 +612,10 @@ async def _ensure_static(rt: Runtime, key: tuple[str, str], desired: children.De
     created = await _create_all(rt, key, wanted, st, body, now, gen, present)
     if any(obj["kind"] == "Secret" for obj in created + present):
         rt.secret_seen.add(key)
+    if statics is not None:
+        for obj in created + present:
+            if obj["kind"] != "Secret":
+                rt.statics_expected.setdefault(key, {})[(obj["kind"], obj["metadata"]["name"])] = time.monotonic()
     if not handler:
         for obj in created:
             rt.emit(body, "Warning", "ChildRecreated",
