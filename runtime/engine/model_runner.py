@@ -125,7 +125,7 @@ def _ao_dynamic_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Mo
 
 @dataclass
 class LayerWeights:
-    in_norm: torch.Tensor
+    in_norm: torch.Tensor | None  # None: no input norm (the EAGLE head's layer)
     post_norm: torch.Tensor
     qkv: Callable[[torch.Tensor], torch.Tensor]
     o: Callable[[torch.Tensor], torch.Tensor]
@@ -270,7 +270,7 @@ class TransformerRunner:
         cos, sin = plan.cos, plan.sin
         half = d // 2
         for i, w in enumerate(self.layers[: num_layers or self.num_layers]):
-            a = F.rms_norm(h, (self.hidden_size,), w.in_norm, self.eps)
+            a = h if w.in_norm is None else F.rms_norm(h, (self.hidden_size,), w.in_norm, self.eps)
             qkv = w.qkv(a)
             # Rotary on q and k in one pass (half the elementwise kernels of rotating them separately).
             qk = qkv[..., : qs + kvs].view(b, t, nh + nkv, d).transpose(1, 2)
