@@ -761,7 +761,7 @@ class JobCoordinator:
             with self.lock:
                 self._members_changed = False
         send = trainer.send_weights.remote(version)
-        recvs = [self.rollouts[n].receive_weights.remote() for n in self._sync_members]
+        recvs = [self.rollouts[n].receive_weights.remote(version) for n in self._sync_members]
         out = ray.get(send)
         ray.get(recvs)
         seconds = time.perf_counter() - t0

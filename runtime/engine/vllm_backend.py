@@ -17,6 +17,7 @@ pinned wheel, reads its source with ``ast`` and fails when a class, method, keyw
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,6 +183,14 @@ class WeightUpdateInfo:
             raise ValueError(f"WeightUpdateInfo: names/dtype_names/shapes differ in length "
                              f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)})")
 
+    @property
+    def nbytes(self) -> int:
+        import math
+
+        import torch
+
+        return sum(math.prod(shape) * getattr(torch, dt).itemsize for dt, shape in zip(self.dtype_names, self.shapes))
+
     @classmethod
     def from_named_tensors(cls, named: Sequence[tuple[str, Any]]) -> WeightUpdateInfo:
         return cls(names=[n for n, _ in named], dtype_names=[str(t.dtype).removeprefix("torch.") for _, t in named],
@@ -190,6 +199,27 @@ class WeightUpdateInfo:
     def request(self) -> dict[str, Any]:
         # vLLM's NCCLWeightTransferUpdateInfo holds exactly these three lists (packing is agreed at init)
         return {"update_info": {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}}
+
+
+def named_weights(module: Any, dtype: Any = None) -> list[tuple[str, Any]]:
+    """What one weight update streams, in order: the module's parameters (tied ones once), in the wire `dtype`.
+
+    The trainer sends exactly this and a rollout worker derives the same list from the model's config on the meta
+    device (`weight_update_info_for`), so both sides agree on names, shapes and dtypes without a metadata round
+    trip. A parameter already in `dtype` goes out as is (no copy).
+    """
+    return [(n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in module.named_parameters()]
+
+
+def weight_update_info_for(model_path: str, dtype: Any) -> WeightUpdateInfo:
+    """The metadata of `named_weights` for the model at `model_path` (HF folder or id), without its weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return WeightUpdateInfo.from_named_tensors(named_weights(skeleton, dtype))
 
 
 @dataclass(frozen=True)
@@ -242,6 +272,9 @@ class VLLMRolloutEngine:
         self.llm = self._vllm.LLM(**kwargs)
         self.weight_version: str | None = None
         self._transfer_ready = False
+        # vllm.LLM is driven from one thread at a time: a weight update waits for the running generate() (so no
+        # request mixes versions) and the trainer's broadcast waits in NCCL meanwhile.
+        self._lock = threading.Lock()
 
     # -- rollouts -----------------------------------------------------------------------------------------
 
@@ -256,7 +289,8 @@ class VLLMRolloutEngine:
             raise ValueError(f"params: {len(params)} sampling params for {len(prompts)} prompts")
         sp = [sampling_params_to_vllm(p, self._vllm) for p in params] if many else \
             sampling_params_to_vllm(params, self._vllm)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        with self._lock:
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         return [to_request_output(o, i) for i, o in enumerate(outputs)]
 
     @property
@@ -279,8 +313,14 @@ class VLLMRolloutEngine:
             "packed_buffer_size_bytes": self.wire.buffer_size_bytes, "packed_num_buffers": self.wire.num_buffers}})
         self._transfer_ready = True
 
+    def close_weight_transfer(self) -> None:
+        """Leave the trainer's transfer group (membership changed); inference continues on the current weights."""
+        if self._transfer_ready:
+            self.llm.shutdown_weight_transfer_engine()
+            self._transfer_ready = False
+
     def update_weights(self, policy: WeightUpdateInfo, draft: WeightUpdateInfo | None = None,
-                       version: int | str | None = None) -> None:
+                       version: int | str | None = None, *, drafter_frozen: bool = False) -> None:
         """Receive a new policy, then (when the proposer has parameters) the drafter, as one versioned update.
 
         The trainer streams the policy once and then replays the drafter's stream; the version is committed on the
@@ -288,18 +328,21 @@ class VLLMRolloutEngine:
         """
         if not self._transfer_ready:
             raise RuntimeError("update_weights: call init_weight_transfer(...) first")
-        needs_draft = self.method in METHODS_WITH_DRAFT_WEIGHTS
-        if needs_draft and draft is None:
+        if draft is None and self.method in METHODS_WITH_DRAFT_WEIGHTS and not drafter_frozen:
             raise ValueError(f"update_weights: draft: proposer {self.method!r} has its own weights; pass the "
-                             f"drafter's WeightUpdateInfo (a stale drafter makes SD slower than none)")
+                             f"drafter's WeightUpdateInfo, or drafter_frozen=True when no one trains it (a stale "
+                             f"drafter makes SD slower than none)")
+        if draft is not None and self.method not in METHODS_WITH_DRAFT_WEIGHTS:
+            raise ValueError(f"update_weights: draft: proposer {self.method!r} has no weights to update")
         tag = None if version is None else str(version)
-        self.llm.start_weight_update()
-        self.llm.update_weights(policy.request())
-        if needs_draft and draft is not None:
-            self.llm.finish_weight_update()
-            self.llm.start_draft_weight_update()
-            self.llm.update_weights(draft.request())
-        self.llm.finish_weight_update(weight_version=tag)
+        with self._lock:
+            self.llm.start_weight_update()
+            self.llm.update_weights(policy.request())
+            if draft is not None:
+                self.llm.finish_weight_update()
+                self.llm.start_draft_weight_update()
+                self.llm.update_weights(draft.request())
+            self.llm.finish_weight_update(weight_version=tag)
         self.weight_version = tag
 
     def refresh_drafter(self) -> None:
@@ -336,3 +379,9 @@ class VLLMWeightSender:
         self._producer(iterator=iter(named), group=self.group, src=0, post_iter_func=lambda item: item[1],
                        buffer_size_bytes=self.wire.buffer_size_bytes, num_buffers=self.wire.num_buffers)
         return info
+
+    def close(self) -> None:
+        """Release the NCCL communicator (membership changed: a new group is opened on a new port)."""
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None

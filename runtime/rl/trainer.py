@@ -96,6 +96,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+def trains_drafter(settings: RunSettings) -> bool:
+    """Whether trainer rank 0 keeps a drafter master copy, trains it, and streams it with every weight sync."""
+    return bool(settings.draft_model) and settings.method == "draft_model" and settings.drafter_training
+
+
 def all_reduce_grads(params: list[torch.nn.Parameter], group: Any = None) -> None:
     """Sum the gradients of every data-parallel rank in place, in one collective on the gradients' own device.
 
@@ -144,7 +149,7 @@ class TrainerWorker:
         self.step = 0
         self.weight_version = 0
         self.drafter = None
-        if rank == 0 and settings.draft_model and settings.method == "draft_model" and settings.drafter_training:
+        if rank == 0 and trains_drafter(settings):
             from specrl.runtime.rl.drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(settings)
@@ -183,8 +188,7 @@ class TrainerWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.rank, self.world_size = rank, world_size
-        if rank == 0 and self.drafter is None and self.settings.draft_model and \
-                self.settings.method == "draft_model" and self.settings.drafter_training:
+        if rank == 0 and self.drafter is None and trains_drafter(self.settings):
             from specrl.runtime.rl.drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(self.settings)
@@ -328,6 +332,11 @@ class TrainerWorker:
         from specrl.runtime.sync import SyncGroup, WeightSender, flatten_modules_
 
         self.close_sync_group()
+        if self.settings.rollout_engine == "vllm":  # rollout workers are vLLM engines: speak vLLM's wire format
+            from specrl.runtime.engine.vllm_backend import VLLMWeightSender
+
+            self._sender = VLLMWeightSender(host, port, world_size)
+            return True
         # Parameters become views of one buffer in sync_state() order, so every bucket goes out straight from
         # parameter memory (no packing copy). Redone per group because a drafter may have appeared since.
         modules = {"policy": self.model}
@@ -342,15 +351,35 @@ class TrainerWorker:
     def close_sync_group(self) -> None:
         if self._sync_group is not None:
             self._sync_group.close()
+        elif self._sender is not None and hasattr(self._sender, "close"):  # VLLMWeightSender's NCCL communicator
+            self._sender.close()
         self._sync_group = self._sender = None
 
     def send_weights(self, version: int) -> dict[str, float]:
         assert self._sender is not None, "open_sync_group first"
+        if self.settings.rollout_engine == "vllm":
+            return self._send_to_vllm()
         stats = self._sender.send(self.sync_state(), version)
         if self.metrics is not None:
             self.metrics.sync_duration.observe(stats.seconds)
             self.metrics.sync_bytes.inc(stats.bytes)
         return {"seconds": float(stats.seconds), "bytes": int(stats.bytes)}
+
+    def _send_to_vllm(self) -> dict[str, float]:
+        """The policy, then the trained drafter, from device memory with vLLM's packed producer (the rollout
+        workers run the matching update_weights; `vllm_backend.named_weights` fixes the order and dtype)."""
+        from specrl.runtime.engine.vllm_backend import named_weights
+
+        t0 = time.perf_counter()
+        dtype = getattr(torch, self.settings.dtype)
+        sent = self._sender.send(named_weights(self.model, dtype)).nbytes
+        if self.drafter is not None:
+            sent += self._sender.send(named_weights(self.drafter.model, dtype)).nbytes
+        seconds = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.sync_duration.observe(seconds)
+            self.metrics.sync_bytes.inc(sent)
+        return {"seconds": seconds, "bytes": sent}
 
     # -- checkpoints ----------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 CALLS: list[tuple[str, Any]] = []
@@ -122,6 +122,10 @@ class LLM:  # vllm.LLM (entrypoints/llm.py, with RLOfflineMixin's weight-transfe
         _sign("vllm.LLM.init_weight_transfer_engine", (request,), {})
         CALLS.append(("init_weight_transfer_engine", request))
 
+    def shutdown_weight_transfer_engine(self) -> None:
+        _sign("vllm.LLM.shutdown_weight_transfer_engine", (), {})
+        CALLS.append(("shutdown_weight_transfer_engine", None))
+
     def start_weight_update(self) -> None:
         _sign("vllm.LLM.start_weight_update", (), {})
         CALLS.append(("start_weight_update", None))
@@ -148,15 +152,19 @@ class LLM:  # vllm.LLM (entrypoints/llm.py, with RLOfflineMixin's weight-transfe
 # -- trainer side (vllm.distributed.weight_transfer) -------------------------------------------------------------
 
 
-@dataclass
-class FakeCommunicator:
-    broadcasts: list[tuple[str, Any]] = field(default_factory=list)
+class PyNcclCommunicator:  # vllm.distributed.device_communicators.pynccl.PyNcclCommunicator (what we call)
+    def __init__(self, group: Any, device: Any) -> None:
+        self._broadcasts: list[tuple[str, Any]] = []
+
+    def destroy(self) -> None:
+        _sign("vllm.PyNcclCommunicator.destroy", (), {})
+        CALLS.append(("destroy", None))
 
 
-def trainer_init(init_info: Any, rank: int = 0) -> FakeCommunicator:  # nccl_common.trainer_init
+def trainer_init(init_info: Any, rank: int = 0) -> PyNcclCommunicator:  # nccl_common.trainer_init
     _sign("vllm.distributed.weight_transfer.nccl_common.trainer_init", (init_info,), {"rank": rank})
     CALLS.append(("trainer_init", {"init_info": init_info, "rank": rank}))
-    return FakeCommunicator()
+    return PyNcclCommunicator(group=None, device="cuda:0")
 
 
 def packed_nccl_broadcast_producer(iterator: Any, group: Any, src: int, post_iter_func: Any,
@@ -165,7 +173,7 @@ def packed_nccl_broadcast_producer(iterator: Any, group: Any, src: int, post_ite
           {"iterator": iterator, "group": group, "src": src, "post_iter_func": post_iter_func,
            "buffer_size_bytes": buffer_size_bytes, "num_buffers": num_buffers})
     sent = [(name, post_iter_func((name, t))) for name, t in iterator]
-    group.broadcasts.extend(sent)
+    group._broadcasts.extend(sent)
     CALLS.append(("packed_nccl_broadcast_producer", {"names": [n for n, _ in sent], "src": src,
                                                      "buffer_size_bytes": buffer_size_bytes,
                                                      "num_buffers": num_buffers}))
@@ -183,6 +191,7 @@ REAL_NAMES: dict[str, tuple[str, str]] = {
     "Counter": ("vllm.v1.metrics.reader", "Counter"),
     "Gauge": ("vllm.v1.metrics.reader", "Gauge"),
     "trainer_init": ("vllm.distributed.weight_transfer.nccl_common", "trainer_init"),
+    "PyNcclCommunicator": ("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator"),
     "packed_nccl_broadcast_producer": ("vllm.distributed.weight_transfer.packed_tensor",
                                        "packed_nccl_broadcast_producer"),
 }

@@ -44,6 +44,10 @@ def signature_of(src: Source, qualname: str) -> Signature:
         return sig
     if qualname == "vllm.SamplingParams":
         return src.cls("vllm", "SamplingParams").constructor()
+    if qualname == "vllm.PyNcclCommunicator.destroy":
+        sig = src.cls("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator").method("destroy")
+        assert sig is not None
+        return sig
     module, _, name = qualname.rpartition(".")
     return src.function(module, name)
 
@@ -80,10 +84,12 @@ def drive_backend(monkeypatch: pytest.MonkeyPatch) -> None:
         assert set(engine.stats) == set(SPEC_DECODE_COUNTERS.values())
         engine.init_weight_transfer("10.0.0.1", 29600, rank_offset=1, world_size=2)
         info = WeightUpdateInfo.from_named_tensors([("model.embed_tokens.weight", torch.zeros(4, 2))])
-        engine.update_weights(info, draft=info, version=3)
+        engine.update_weights(info, draft=info if method != "ngram" else None, version=3)
         assert engine.llm.get_weight_version() == "3"
+        engine.close_weight_transfer()
     sender = VLLMWeightSender("10.0.0.1", 29600, world_size=2)
     sender.send([("lm_head.weight", torch.zeros(4, 2))])
+    sender.close()
 
 
 def test_pin_is_what_the_backend_targets() -> None:
@@ -95,6 +101,7 @@ def test_every_backend_call_binds_to_vllms_signatures(src: Source, monkeypatch: 
     called = {name for name, _, _ in fake_vllm.SIGNED}
     assert {"vllm.LLM.__init__", "vllm.LLM.generate", "vllm.LLM.update_weights", "vllm.LLM.start_draft_weight_update",
             "vllm.LLM.finish_weight_update", "vllm.LLM.init_weight_transfer_engine", "vllm.LLM.get_metrics",
+            "vllm.LLM.shutdown_weight_transfer_engine",
             "vllm.SamplingParams", f"{COMMON}.trainer_init", f"{PACKED}.packed_nccl_broadcast_producer"} <= called
     problems = sorted({p for name, n, kw in fake_vllm.SIGNED for p in call_problems(src, name, n, kw)})
     assert not problems, "the vLLM backend calls what vLLM does not have:\n" + "\n".join(problems)

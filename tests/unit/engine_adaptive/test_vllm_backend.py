@@ -165,4 +165,4 @@ def test_sender_broadcasts_device_tensors_with_vllms_producer(fake_vllm_module: 
     info = sender.send([("lm_head.weight", w)])
     assert info.request() == {"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"],
                                               "shapes": [[2, 3]]}}
-    assert sender.group.broadcasts[0][1] is w  # the tensor itself: no host copy, no clone
+    assert sender.group._broadcasts[0][1] is w  # the tensor itself: no host copy, no clone
