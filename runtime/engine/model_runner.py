@@ -293,15 +293,22 @@ class TransformerRunner:
         return self.lm_head(hn).float(), hn
 
     def forward(self, cache: StaticKVCache, slot0: int, starts: list[int], tokens: torch.Tensor,
-                num_layers: int | None = None, last_index: torch.Tensor | None = None,
+                num_layers: int | None = None, last_index: torch.Tensor | None = None, all_hidden: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] for slots slot0.., row b at positions starts[b]..starts[b]+T-1.
 
         Returns (logits fp32, normed hidden): [B, T, *] for all positions, or [B, *] at `last_index` [B].
+        With `last_index` and `all_hidden`, logits [B, V] at `last_index` but hidden [B, T, H] everywhere: what a
+        feature-level drafter's prefill needs, without [B, T, V] logits (16 x 1024 tokens x 152k vocab is ~10 GB
+        of float32).
         """
         plan = self.plan(slot0, starts, tokens.shape[1])
         h = F.embedding(tokens, self.embed)
         h = self.layers_forward(h, cache, plan, num_layers)
-        if last_index is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), last_index]
-        return self.head(h)
+        if last_index is None:
+            return self.head(h)
+        rows = torch.arange(h.shape[0], device=h.device)
+        if all_hidden:
+            hn = F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps)
+            return self.lm_head(hn[rows, last_index]).float(), hn
+        return self.head(h[rows, last_index])
