@@ -153,6 +153,7 @@ class TrainerWorker:
             from specrl.runtime.rl.drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(settings)
+            self.drafter.model.to(self.device)  # in place: the optimizer keeps the same parameters
         self._dp_ready = False
         self.metrics = metrics
         self._sync_group = None
@@ -192,6 +193,7 @@ class TrainerWorker:
             from specrl.runtime.rl.drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(self.settings)
+            self.drafter.model.to(self.device)
         return self.init_data_parallel(master_addr, master_port, backend)
 
     def export_state(self) -> dict[str, Any]:
