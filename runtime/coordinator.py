@@ -332,6 +332,9 @@ class JobCoordinator:
             self._members_changed = True
         self._wm(name, "rollout")
         if ship_weights and self.weight_version > 0:
+            if self.settings.rollout_engine == "vllm":  # vLLM takes weights only over its NCCL transfer
+                self._sync_weights(self.weight_version)
+                return
             state = ray.get(self._trainer0().sync_state.remote())
             ray.get(actor.set_weights.remote(state, self.weight_version))
 
@@ -841,8 +844,11 @@ class JobCoordinator:
             for it in self.ledger.queue:
                 self._results.setdefault(it.step, [])
                 self._chunk_stats.setdefault(it.step, [])
-        state = ray.get(self._trainer0().sync_state.remote())
-        ray.get([a.set_weights.remote(state, self.weight_version) for a in self.rollouts.values()])
+        if self.settings.rollout_engine == "vllm":
+            self._sync_weights(self.weight_version)
+        else:
+            state = ray.get(self._trainer0().sync_state.remote())
+            ray.get([a.set_weights.remote(state, self.weight_version) for a in self.rollouts.values()])
         self.rollout_version = self.weight_version
         log.info("resumed from %s at step %d", directory, self.step)
 

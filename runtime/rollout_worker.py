@@ -178,6 +178,9 @@ class RolloutWorker:
 
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> bool:
         """Stage weights handed over directly (used when no sync group is open, e.g. at start-up)."""
+        if self.vllm_updates is not None:
+            raise RuntimeError("set_weights: a vLLM rollout worker takes weights only over vLLM's NCCL transfer "
+                               "(open_sync_group + receive_weights)")
         with self._lock:
             self._pending = (version, state)
         self._apply_pending()
