@@ -39,6 +39,8 @@ def test_rollout_worker_builds_and_refreshes_the_vllm_engine(micro, monkeypatch:
     assert out["stats"]["drafts"] > 0 and out["stats"]["accepted_tokens"] > 0  # vLLM's counters, as deltas
     with pytest.raises(RuntimeError, match="use_sd=False"):
         worker.generate([("p0", 0)], step=0, use_sd=False)
+    with pytest.raises(RuntimeError, match="only over vLLM's NCCL transfer"):
+        worker.set_weights({}, version=1)
 
     worker.open_sync_group("10.0.0.1", 29600, rank=1, world_size=2, epoch=0)
     assert fake_vllm.CALLS[-1][0] == "init_weight_transfer_engine"
