@@ -59,6 +59,8 @@ BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-draft", "builtin:bench", "builti
 SPECULATIVE_METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp")
 # Methods whose drafter is a separate model that must be named; eagle may start from a fresh head instead.
 METHODS_REQUIRING_DRAFT_MODEL = ("draft_model", "eagle3")
+VLLM_ONLY_METHODS = ("eagle3", "mtp")  # proposers only vLLM implements
+NATIVE_ONLY_METHODS = ("layer_skip", "quantized_self")  # proposers vLLM does not have
 METHODS_ACCEPTING_DRAFT_MODEL = ("draft_model", "eagle", "eagle3")
 # Phases the operator reports in status.phase (kept as plain strings in the schema).
 PHASES = ("Pending", "Starting", "Running", "Rebalancing", "Suspended", "Complete", "Failed")
@@ -308,7 +310,7 @@ class SpeculativeSpec(_Strict):
         default="none", description=(
             "none: plain decoding; draft_model: a small LM; ngram: prompt lookup; layer_skip: early exit of the "
             "policy; quantized_self: an int8 copy of the policy; eagle: a feature-level head (fresh when no "
-            "draftModel); eagle3, mtp: vLLM backend only."))
+            "draftModel); eagle3, mtp: rolloutEngine vllm only."))
     draft_model: str | None = Field(default=None, min_length=1, max_length=MAX_REF, description=(
         "Drafter weights (HF id, local path or builtin:*-draft); required for draft_model and eagle3, optional for eagle."))
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description=(
@@ -487,6 +489,12 @@ class RLJobSpec(_Strict):
         ("self.mode != 'async' || self.maxStaleness >= 1", "async mode needs maxStaleness >= 1", ".maxStaleness"),
         ("!has(self.weightSync.backend) || self.weightSync.backend != 'nccl' || self.resources.gpusPerPod >= 1",
          "weightSync.backend nccl needs resources.gpusPerPod >= 1", ".weightSync.backend"),
+        ("self.rolloutEngine == 'vllm' || !(self.speculative.method in ['eagle3', 'mtp'])",
+         "speculative methods eagle3 and mtp need rolloutEngine: vllm", ".rolloutEngine"),
+        ("self.rolloutEngine != 'vllm' || !(self.speculative.method in ['layer_skip', 'quantized_self'])",
+         "speculative methods layer_skip and quantized_self run on rolloutEngine: native only", ".rolloutEngine"),
+        ("self.rolloutEngine != 'vllm' || self.resources.gpusPerPod >= 1",
+         "rolloutEngine vllm needs resources.gpusPerPod >= 1 (vLLM runs on GPUs)", ".rolloutEngine"),
     ))
 
     model: ModelSpec = Field(default_factory=ModelSpec, description="The policy model.")
@@ -498,6 +506,9 @@ class RLJobSpec(_Strict):
     max_staleness: int = Field(default=1, ge=0, le=64, description=(
         "async: the oldest weight version a rollout may use, counted back from the newest (>= 1)."))
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec, description="Speculative decoding.")
+    rollout_engine: Literal["native", "vllm"] = Field(default="native", description=(
+        "native: specrl's own engine (CPU or GPU; the reference for losslessness); vllm: vLLM on the rollout "
+        "pods' GPUs (needed for eagle3 and mtp; the image must carry the vllm extra)."))
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Pods, GPUs and budget.")
     elastic: ElasticSpec = Field(default_factory=ElasticSpec, description="Elastic rebalancing between roles.")
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="Weight synchronisation.")
@@ -520,6 +531,15 @@ class RLJobSpec(_Strict):
             problems.append(("maxStaleness", "async mode needs maxStaleness >= 1"))
         if self.weight_sync.backend == "nccl" and self.resources.gpus_per_pod == 0:
             problems.append(("weightSync.backend", "nccl needs GPUs (resources.gpusPerPod >= 1); use gloo on CPU"))
+        method = self.speculative.method
+        if method in VLLM_ONLY_METHODS and self.rollout_engine != "vllm":
+            problems.append(("rolloutEngine", (f"speculative.method {method} runs on the vLLM engine only: set "
+                                              "rolloutEngine: vllm")))
+        if method in NATIVE_ONLY_METHODS and self.rollout_engine == "vllm":
+            problems.append(("rolloutEngine", (f"speculative.method {method} runs on the native engine only "
+                                              "(vLLM has no such proposer)")))
+        if self.rollout_engine == "vllm" and self.resources.gpus_per_pod == 0:
+            problems.append(("rolloutEngine", "vllm needs GPUs (resources.gpusPerPod >= 1)"))
         _raise(problems)
         return self
 

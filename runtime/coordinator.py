@@ -53,14 +53,25 @@ class Placement:
     """How worker actors are placed: locally (no resources) or pinned to a pod's custom resource."""
 
     cluster: bool = False
+    gpus_per_pod: int = 0  # spec.resources.gpusPerPod: each trainer/rollout actor holds its pod's GPUs
 
     def options(self, name: str, role: str) -> dict[str, Any]:
+        import ray
+        from specrl.runtime.devices import ray_num_gpus
+
         # Rollout actors take the weight transfer on a second thread while a chunk decodes (async mode);
         # trainer calls stay serial so drafter training and the GRPO step never overlap.
         opts: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 4 if role == "rollout" else 1,
                                 "max_restarts": 0}
         if self.cluster:
             opts["resources"] = {pod_resource(name): 0.001}
+            # Ray then sets CUDA_VISIBLE_DEVICES for the actor: its local rank 0 is cuda:0 (devices.device_for).
+            # A cluster with no GPU at all (pods run on CPU nodes) could never place such an actor: run on CPU.
+            gpus = ray_num_gpus(self.gpus_per_pod, role)
+            if gpus and not ray.cluster_resources().get("GPU", 0):
+                log.warning("gpusPerPod=%d but the Ray cluster has no GPUs: %s runs on the CPU", gpus, name)
+                gpus = 0
+            opts["num_gpus"] = gpus
         return opts
 
 
@@ -305,8 +316,8 @@ class JobCoordinator:
                 self.settings, rank, world, name)
         first = self.trainers[names[0]]
         host, port = ray.get(first.node_address.remote())
-        backend = "nccl" if self.settings.sync_backend == "nccl" else "gloo"
-        ray.get([a.init_data_parallel.remote(host, port, backend) for a in self.trainers.values()])
+        # each trainer picks the backend of its gradients' device (devices.collective_backend)
+        ray.get([a.init_data_parallel.remote(host, port) for a in self.trainers.values()])
 
     def add_rollout_worker(self, name: str, ship_weights: bool = True) -> None:
         """A worker joins at a step boundary: it gets the current weights and the sync group is rebuilt."""
@@ -321,6 +332,9 @@ class JobCoordinator:
             self._members_changed = True
         self._wm(name, "rollout")
         if ship_weights and self.weight_version > 0:
+            if self.settings.rollout_engine == "vllm":  # vLLM takes weights only over its NCCL transfer
+                self._sync_weights(self.weight_version)
+                return
             state = ray.get(self._trainer0().sync_state.remote())
             ray.get(actor.set_weights.remote(state, self.weight_version))
 
@@ -646,8 +660,7 @@ class JobCoordinator:
         names = list(self.trainers)
         ray.get([self.trainers[n].close_sync_group.remote() for n in names if n in keep])
         host, port = ray.get(self.trainers[names[0]].node_address.remote())
-        backend = "nccl" if self.settings.sync_backend == "nccl" else "gloo"
-        ray.get([self.trainers[n].regroup.remote(rank, len(names), host, port, backend)
+        ray.get([self.trainers[n].regroup.remote(rank, len(names), host, port)
                  for rank, n in enumerate(names)])
         ray.get([self.trainers[n].import_state.remote(state) for n in names if n not in keep or n == names[0]])
         with self.lock:
@@ -751,7 +764,7 @@ class JobCoordinator:
             with self.lock:
                 self._members_changed = False
         send = trainer.send_weights.remote(version)
-        recvs = [self.rollouts[n].receive_weights.remote() for n in self._sync_members]
+        recvs = [self.rollouts[n].receive_weights.remote(version) for n in self._sync_members]
         out = ray.get(send)
         ray.get(recvs)
         seconds = time.perf_counter() - t0
@@ -831,8 +844,11 @@ class JobCoordinator:
             for it in self.ledger.queue:
                 self._results.setdefault(it.step, [])
                 self._chunk_stats.setdefault(it.step, [])
-        state = ray.get(self._trainer0().sync_state.remote())
-        ray.get([a.set_weights.remote(state, self.weight_version) for a in self.rollouts.values()])
+        if self.settings.rollout_engine == "vllm":
+            self._sync_weights(self.weight_version)
+        else:
+            state = ray.get(self._trainer0().sync_state.remote())
+            ray.get([a.set_weights.remote(state, self.weight_version) for a in self.rollouts.values()])
         self.rollout_version = self.weight_version
         log.info("resumed from %s at step %d", directory, self.step)
 

@@ -69,19 +69,27 @@ class RolloutWorker:
         self.tokenizer = CharTokenizer()
         self.problems, self.eval_problems = load_problem_split(settings)
         self.reward = SafeReward.from_spec(settings.reward, on_error=self._reward_error)
-        self.model = load_policy(settings.model)[0]
-        self.model.eval()
-        self.draft = None
-        if settings.method == "draft_model" and settings.draft_model:
-            self.draft = load_policy(settings.draft_model)[0]
-            self.draft.eval()
-        spec = SpeculativeConfig(method=settings.method, num_speculative_tokens=settings.num_speculative_tokens)
-        self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft)
         self.calibration: dict | None = None
-        if settings.adaptive and settings.method != "none":
-            self._install_adaptive_controller()
-        # Plain decoding on the same weights: the side-by-side baseline (and the SD-off path).
-        self.ar_engine = RolloutEngine(self.model, speculative=SpeculativeConfig(method="none"))
+        self.model = self.draft = None
+        self.vllm_updates: VLLMUpdates | None = None
+        if settings.rollout_engine == "vllm":
+            self.engine, self.vllm_updates = build_vllm_engine(settings)
+            self.ar_engine = None  # no plain-decoding twin on the GPU: vLLM's per-batch-size K covers SD-off
+        else:
+            from specrl.runtime.devices import device_for
+
+            device = device_for(settings.gpus_per_pod)
+            self.model = load_policy(settings.model)[0].to(device)
+            self.model.eval()
+            if settings.method == "draft_model" and settings.draft_model:
+                self.draft = load_policy(settings.draft_model)[0].to(device)
+                self.draft.eval()
+            spec = SpeculativeConfig(method=settings.method, num_speculative_tokens=settings.num_speculative_tokens)
+            self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft)
+            if settings.adaptive and settings.method != "none":
+                self._install_adaptive_controller()
+            # Plain decoding on the same weights: the side-by-side baseline (and the SD-off path).
+            self.ar_engine = RolloutEngine(self.model, speculative=SpeculativeConfig(method="none"))
         self.weight_version = 0
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
@@ -117,22 +125,35 @@ class RolloutWorker:
         from specrl.runtime.sync import SyncGroup, WeightReceiver
 
         self.close_sync_group()
+        if self.vllm_updates is not None:  # vLLM's own NCCL group; the trainer (rank 0) sends with vLLM's producer
+            self.engine.init_weight_transfer(host, port, rank_offset=rank, world_size=world_size)
+            return True
         self._sync_group = SyncGroup.create(host, port, rank=rank, world_size=world_size,
                                             backend=self.settings.sync_backend, epoch=epoch)
         self._receiver = WeightReceiver(self._sync_group)
         return True
 
     def close_sync_group(self) -> None:
+        if self.vllm_updates is not None:
+            self.engine.close_weight_transfer()
         if self._sync_group is not None:
             self._sync_group.close()
         self._sync_group = self._receiver = None
 
-    def receive_weights(self) -> dict[str, float]:
-        """Receive one packed transfer (blocking) and stage it; it is swapped in before the next chunk."""
+    def receive_weights(self, expected_version: int | None = None) -> dict[str, float]:
+        """Receive one packed transfer (blocking) and stage it; it is swapped in before the next chunk.
+
+        `expected_version` is the version the trainer is sending: checked against the stream's header, and the
+        version vLLM commits (its NCCL stream carries none).
+        """
+        if self.vllm_updates is not None:
+            return self._receive_into_vllm(expected_version)
         from specrl.runtime.sync import split_states
 
         assert self._receiver is not None, "open_sync_group first"
         version, flat, stats = self._receiver.receive()
+        if expected_version is not None and version != expected_version:
+            raise RuntimeError(f"receive_weights: got weight version {version}, the trainer sent {expected_version}")
         parts = split_states(flat)
         # Copy out of the receiver's reusable buffer: the staged state may wait while another sync lands.
         staged = {f"{part}/{k}": v.clone() for part, sd in parts.items() for k, v in sd.items()}
@@ -140,8 +161,26 @@ class RolloutWorker:
             self._pending = (version, staged)
         return {"seconds": float(stats.seconds), "bytes": int(stats.bytes), "version": version}
 
+    def _receive_into_vllm(self, version: int | None) -> dict[str, float]:
+        """Policy, then drafter, straight into vLLM's weights over NCCL (the trainer streams the same list)."""
+        if version is None:
+            raise ValueError("receive_weights: expected_version: the vLLM engine commits the version being sent")
+        assert self.vllm_updates is not None
+        t0 = time.perf_counter()
+        policy, draft = self.vllm_updates
+        self.engine.update_weights(policy, draft, version=version, drafter_frozen=draft is None)
+        seconds = time.perf_counter() - t0
+        self.weight_version = version
+        nbytes = policy.nbytes + (draft.nbytes if draft is not None else 0)
+        if self.metrics is not None:
+            self.metrics.weight_version.set(version)
+        return {"seconds": seconds, "bytes": nbytes, "version": version}
+
     def set_weights(self, state: dict[str, torch.Tensor], version: int) -> bool:
         """Stage weights handed over directly (used when no sync group is open, e.g. at start-up)."""
+        if self.vllm_updates is not None:
+            raise RuntimeError("set_weights: a vLLM rollout worker takes weights only over vLLM's NCCL transfer "
+                               "(open_sync_group + receive_weights)")
         with self._lock:
             self._pending = (version, state)
         self._apply_pending()
@@ -171,6 +210,14 @@ class RolloutWorker:
 
     # -- rollouts -------------------------------------------------------------------------------------
 
+    def _engine(self, use_sd: bool) -> Any:
+        if use_sd:
+            return self.engine
+        if self.ar_engine is None:
+            raise RuntimeError("use_sd=False: the vLLM rollout engine has no plain-decoding twin (compare "
+                               "speculation on/off with rolloutEngine: native)")
+        return self.ar_engine
+
     def _params(self, seed: int, greedy: bool = False):
         from specrl.runtime.engine import SamplingParams
 
@@ -190,7 +237,7 @@ class RolloutWorker:
         # One seed per sample, from (job seed, step, prompt id, sample index): the tokens do not depend on
         # which worker ran the prompt or what else was in its batch (up to float rounding of batched maths).
         params = [self._params(sample_seed(s.seed, step, pid, k)) for pid, _ in items for k in range(s.group_size)]
-        engine = self.engine if use_sd else self.ar_engine
+        engine = self._engine(use_sd)
         before = stats_snapshot(engine.stats)
         self.active_sequences = len(prompts)
         t0 = time.perf_counter()
@@ -241,7 +288,7 @@ class RolloutWorker:
         pool = self.eval_problems if split == "heldout" else self.problems[: len(self.eval_problems)]
         problems = pool if indices is None else [pool[i] for i in indices]
         prompts = [prompt_token_ids(p, self.tokenizer) for p in problems]
-        engine = self.engine if use_sd else self.ar_engine
+        engine = self._engine(use_sd)
         before = stats_snapshot(engine.stats)
         t0 = time.perf_counter()
         outs = engine.generate(prompts, self._params(self.settings.seed, greedy=True))
@@ -298,6 +345,40 @@ class RolloutWorker:
 
     def reward_errors(self) -> int:
         return self.reward.errors
+
+
+VLLMUpdates = tuple[Any, Any]  # (policy WeightUpdateInfo, drafter WeightUpdateInfo or None)
+
+
+def build_vllm_engine(settings: RunSettings) -> tuple[Any, VLLMUpdates]:
+    """The vLLM rollout engine of a `rolloutEngine: vllm` job, from the policy folder (or HF id) and the spec.
+
+    Returns the engine and what each weight refresh streams: the policy, and the drafter when the trainers train
+    it (`trains_drafter`); a drafter nobody trains stays as loaded. Names, shapes and dtypes come from the models'
+    configs, the same list the trainer sends (`vllm_backend.named_weights`).
+    """
+    import torch
+    from specrl.runtime.engine.vllm_backend import VLLMRolloutEngine, weight_update_info_for
+    from specrl.runtime.rl.trainer import trains_drafter
+
+    policy = _model_ref(settings.model)
+    draft = _model_ref(settings.draft_model) if settings.draft_model else None
+    speculative = {"method": settings.method, "num_speculative_tokens": settings.num_speculative_tokens,
+                   "draft_model": draft}
+    dtype = getattr(torch, settings.dtype)
+    engine = VLLMRolloutEngine(policy, speculative, dtype=settings.dtype, seed=settings.seed,
+                               max_num_seqs=max(1, settings.prompts_per_step * settings.group_size))
+    draft_info = weight_update_info_for(draft, dtype) if draft and trains_drafter(settings) else None
+    return engine, (weight_update_info_for(policy, dtype), draft_info)
+
+
+def _model_ref(name: str) -> str:
+    """A builtin -> its built HF folder; a folder or an HF id is what vLLM loads as is."""
+    if name.startswith("builtin:"):
+        from specrl.runtime.models.bootstrap import resolve_model_path
+
+        return str(resolve_model_path(name))
+    return name
 
 
 def sample_seed(seed: int, step: int, prompt_id: str, k: int) -> int:

@@ -271,7 +271,8 @@ def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigt
     token = os.environ.get("SPECRL_COORDINATOR_TOKEN") or None
     if token is None:
         log.warning("SPECRL_COORDINATOR_TOKEN is not set: POST /drain will refuse every request")
-    coord = JobCoordinator(settings, token=token or "", placement=Placement(cluster=True), http_host="0.0.0.0",
+    placement = Placement(cluster=True, gpus_per_pod=settings.gpus_per_pod)
+    coord = JobCoordinator(settings, token=token or "", placement=placement, http_host="0.0.0.0",
                            http_port=int(os.environ.get("SPECRL_HTTP_PORT", HTTP_PORT)),
                            resume_from=latest_checkpoint(settings.checkpoint_dir))  # a restarted pod resumes
     try:

@@ -344,10 +344,10 @@ class RolloutEngine:
         want_hidden = [p for p in self.proposers.values() if p.needs_hidden]
         if want_hidden:
             # Feature-level drafters need the target's hidden state at every prompt position.
-            logits, hidden = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp)
+            logits, hidden = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last,
+                                                 all_hidden=True)  # logits at the last position only
             for p in want_hidden:
                 p.observe_target(hidden, [0] * len(joiners), lens, slot0=slot0)
-            logits = logits[torch.arange(len(joiners), device=self.device), last]
         else:
             logits, _ = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last)
         st = BatchSamplingTensors.build([s.params for s in joiners], self.device)

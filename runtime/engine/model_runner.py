@@ -125,7 +125,7 @@ def _ao_dynamic_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Mo
 
 @dataclass
 class LayerWeights:
-    in_norm: torch.Tensor
+    in_norm: torch.Tensor | None  # None: no input norm (the EAGLE head's layer)
     post_norm: torch.Tensor
     qkv: Callable[[torch.Tensor], torch.Tensor]
     o: Callable[[torch.Tensor], torch.Tensor]
@@ -270,7 +270,7 @@ class TransformerRunner:
         cos, sin = plan.cos, plan.sin
         half = d // 2
         for i, w in enumerate(self.layers[: num_layers or self.num_layers]):
-            a = F.rms_norm(h, (self.hidden_size,), w.in_norm, self.eps)
+            a = h if w.in_norm is None else F.rms_norm(h, (self.hidden_size,), w.in_norm, self.eps)
             qkv = w.qkv(a)
             # Rotary on q and k in one pass (half the elementwise kernels of rotating them separately).
             qk = qkv[..., : qs + kvs].view(b, t, nh + nkv, d).transpose(1, 2)
@@ -293,15 +293,22 @@ class TransformerRunner:
         return self.lm_head(hn).float(), hn
 
     def forward(self, cache: StaticKVCache, slot0: int, starts: list[int], tokens: torch.Tensor,
-                num_layers: int | None = None, last_index: torch.Tensor | None = None,
+                num_layers: int | None = None, last_index: torch.Tensor | None = None, all_hidden: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] for slots slot0.., row b at positions starts[b]..starts[b]+T-1.
 
         Returns (logits fp32, normed hidden): [B, T, *] for all positions, or [B, *] at `last_index` [B].
+        With `last_index` and `all_hidden`, logits [B, V] at `last_index` but hidden [B, T, H] everywhere: what a
+        feature-level drafter's prefill needs, without [B, T, V] logits (16 x 1024 tokens x 152k vocab is ~10 GB
+        of float32).
         """
         plan = self.plan(slot0, starts, tokens.shape[1])
         h = F.embedding(tokens, self.embed)
         h = self.layers_forward(h, cache, plan, num_layers)
-        if last_index is not None:
-            h = h[torch.arange(h.shape[0], device=h.device), last_index]
-        return self.head(h)
+        if last_index is None:
+            return self.head(h)
+        rows = torch.arange(h.shape[0], device=h.device)
+        if all_hidden:
+            hn = F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps)
+            return self.lm_head(hn[rows, last_index]).float(), hn
+        return self.head(h[rows, last_index])

@@ -1,29 +1,30 @@
 """vLLM rollout backend (GPU images): RLJob speculative settings -> vLLM, outputs -> ours, native weight transfer.
 
-Targets **vLLM 0.25.x or newer** (the `vllm` extra): the native weight-transfer API
-(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, vLLM
->= 0.16) *and* the draft-model update bracket ``start_draft_weight_update`` (vLLM PR #46725, mid-2026), without which
-a drafter is never refreshed after a policy update and its acceptance collapses (vime PR #351 measured ~0%
-acceptance and 26% *below* no-spec with a stale MTP head). Dynamic draft length per batch size uses
-``num_speculative_tokens_per_batch_size`` (vLLM PR #32374).
+Written against **vLLM 0.33.0**, the version the `vllm` extra pins: the RL weight-transfer API of ``vllm.LLM``
+(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``, and
+``start_draft_weight_update`` so the drafter follows the policy — a stale drafter makes SD slower than none), the
+dense NCCL transfer (``vllm.distributed.weight_transfer``: the packed wire format is agreed once in the init info,
+each update carries only names, dtypes and shapes), ``SpeculativeConfig`` (including
+``num_speculative_tokens_per_batch_size``) and the ``vllm:spec_decode_*`` counters of ``LLM.get_metrics()``.
 
-**This path is unexercised on CPU**: vLLM needs CUDA. The unit tests check the settings mapping and the exact
-sequence of calls against a recorded fake of the API surface above (`tests/unit/engine_adaptive/`); nothing here
-has run against a real vLLM in this repository.
+vLLM needs CUDA, so this module never runs against a real vLLM here. What pins it: `tests/contract/` downloads the
+pinned wheel, reads its source with ``ast`` and fails when a class, method, keyword, payload key or
+``speculative_config`` key used here (or by the fake the unit tests drive) does not exist with that signature.
 
-`import vllm` happens only when a `VLLMRolloutEngine` is built, so the module imports anywhere.
+`import vllm` happens only when a `VLLMRolloutEngine` or `VLLMWeightSender` is built, so the module imports anywhere.
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .adaptive import AdaptiveController
 
-TARGET_VLLM = "0.25"
+TARGET_VLLM = "0.33.0"  # the `vllm` extra's pin; tests/contract reads this version's source
 VLLM_METHODS: tuple[str, ...] = ("draft_model", "ngram", "eagle", "eagle3", "mtp")
 NATIVE_ONLY_METHODS: tuple[str, ...] = ("layer_skip", "quantized_self")
 # methods whose drafter has parameters of its own that must follow the policy
@@ -176,22 +177,66 @@ class WeightUpdateInfo:
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    packed: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not (len(self.names) == len(self.dtype_names) == len(self.shapes)):
             raise ValueError(f"WeightUpdateInfo: names/dtype_names/shapes differ in length "
                              f"({len(self.names)}, {len(self.dtype_names)}, {len(self.shapes)})")
 
+    @property
+    def nbytes(self) -> int:
+        import math
+
+        import torch
+
+        return sum(math.prod(shape) * getattr(torch, dt).itemsize for dt, shape in zip(self.dtype_names, self.shapes))
+
     @classmethod
-    def from_named_tensors(cls, named: Sequence[tuple[str, Any]], packed: bool = True) -> WeightUpdateInfo:
+    def from_named_tensors(cls, named: Sequence[tuple[str, Any]]) -> WeightUpdateInfo:
         return cls(names=[n for n, _ in named], dtype_names=[str(t.dtype).removeprefix("torch.") for _, t in named],
-                   shapes=[list(t.shape) for _, t in named], packed=packed)
+                   shapes=[list(t.shape) for _, t in named])
 
     def request(self) -> dict[str, Any]:
-        return {"update_info": {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes,
-                                "packed": self.packed, **self.extra}}
+        # vLLM's NCCLWeightTransferUpdateInfo holds exactly these three lists (packing is agreed at init)
+        return {"update_info": {"names": self.names, "dtype_names": self.dtype_names, "shapes": self.shapes}}
+
+
+def named_weights(module: Any, dtype: Any = None) -> list[tuple[str, Any]]:
+    """What one weight update streams, in order: the module's parameters (tied ones once), in the wire `dtype`.
+
+    The trainer sends exactly this and a rollout worker derives the same list from the model's config on the meta
+    device (`weight_update_info_for`), so both sides agree on names, shapes and dtypes without a metadata round
+    trip. A parameter already in `dtype` goes out as is (no copy).
+    """
+    return [(n, p.detach() if dtype is None else p.detach().to(dtype)) for n, p in module.named_parameters()]
+
+
+def weight_update_info_for(model_path: str, dtype: Any) -> WeightUpdateInfo:
+    """The metadata of `named_weights` for the model at `model_path` (HF folder or id), without its weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return WeightUpdateInfo.from_named_tensors(named_weights(skeleton, dtype))
+
+
+@dataclass(frozen=True)
+class TransferWire:
+    """The packed-broadcast parameters trainer and vLLM workers must agree on (sent once, in the init info)."""
+
+    packed: bool = True
+    buffer_size_bytes: int = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    num_buffers: int = 2  # vLLM's DEFAULT_PACKED_NUM_BUFFERS
+
+
+# vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py) -> our stats keys (RolloutEngine.stats names)
+SPEC_DECODE_COUNTERS: dict[str, str] = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
 
 
 class VLLMRolloutEngine:
@@ -200,12 +245,12 @@ class VLLMRolloutEngine:
     def __init__(self, model: str, speculative: Any = None, *, draft_model_path: str | None = None,
                  controller: AdaptiveController | None = None, max_num_seqs: int = 256,
                  weight_transfer_backend: str = "nccl", logprobs_mode: str = "processed_logprobs",
-                 **llm_kwargs: Any) -> None:
+                 wire: TransferWire = TransferWire(), **llm_kwargs: Any) -> None:
         try:
             self._vllm = importlib.import_module("vllm")
             config_module = importlib.import_module("vllm.config")
         except ImportError as exc:
-            raise RuntimeError(f"the vLLM backend needs vllm>={TARGET_VLLM} (a CUDA machine): "
+            raise RuntimeError(f"the vLLM backend needs vllm=={TARGET_VLLM} (a CUDA machine): "
                                f"pip install 'specrl[vllm]' ({exc})") from None
         self.method = _get(speculative, "method", default="none") if speculative is not None else "none"
         per_bs = None
@@ -214,14 +259,22 @@ class VLLMRolloutEngine:
                                               max_num_seqs)
         self.speculative_config = speculative_config_from_spec(speculative, draft_model_path=draft_model_path,
                                                                per_batch_size=per_bs)
+        # logprobs_mode "processed_logprobs": the sampled token's logprob under the processed target distribution
+        # (temperature, top-k/p), what the native engine returns and GRPO's importance ratio needs.
+        # disable_log_stats=False: vllm.LLM turns stats off by default, and get_metrics() then has no spec counters.
         kwargs: dict[str, Any] = dict(model=model, max_num_seqs=max_num_seqs, logprobs_mode=logprobs_mode,
+                                      disable_log_stats=False,
                                       weight_transfer_config=config_module.WeightTransferConfig(
                                           backend=weight_transfer_backend), **llm_kwargs)
         if self.speculative_config is not None:
             kwargs["speculative_config"] = self.speculative_config
+        self.wire = wire
         self.llm = self._vllm.LLM(**kwargs)
         self.weight_version: str | None = None
         self._transfer_ready = False
+        # vllm.LLM is driven from one thread at a time: a weight update waits for the running generate() (so no
+        # request mixes versions) and the trainer's broadcast waits in NCCL meanwhile.
+        self._lock = threading.Lock()
 
     # -- rollouts -----------------------------------------------------------------------------------------
 
@@ -236,21 +289,38 @@ class VLLMRolloutEngine:
             raise ValueError(f"params: {len(params)} sampling params for {len(prompts)} prompts")
         sp = [sampling_params_to_vllm(p, self._vllm) for p in params] if many else \
             sampling_params_to_vllm(params, self._vllm)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        with self._lock:
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
         return [to_request_output(o, i) for i, o in enumerate(outputs)]
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """vLLM's cumulative spec-decode counters under the native engine's stats names (0 without SD)."""
+        out = dict.fromkeys(SPEC_DECODE_COUNTERS.values(), 0)
+        for metric in self.llm.get_metrics():
+            key = SPEC_DECODE_COUNTERS.get(metric.name)
+            if key is not None:  # one counter per engine index (data-parallel engines): sum them
+                out[key] += int(metric.value)
+        return out
 
     # -- weights ------------------------------------------------------------------------------------------
 
     def init_weight_transfer(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
         """Join the trainer's transfer group (the trainer is rank 0; our workers start at `rank_offset`)."""
-        self.llm.init_weight_transfer_engine({"init_info": {"master_address": master_address,
-                                                            "master_port": int(master_port),
-                                                            "rank_offset": int(rank_offset),
-                                                            "world_size": int(world_size)}})
+        self.llm.init_weight_transfer_engine({"init_info": {
+            "master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+            "world_size": int(world_size), "packed": self.wire.packed,
+            "packed_buffer_size_bytes": self.wire.buffer_size_bytes, "packed_num_buffers": self.wire.num_buffers}})
         self._transfer_ready = True
 
+    def close_weight_transfer(self) -> None:
+        """Leave the trainer's transfer group (membership changed); inference continues on the current weights."""
+        if self._transfer_ready:
+            self.llm.shutdown_weight_transfer_engine()
+            self._transfer_ready = False
+
     def update_weights(self, policy: WeightUpdateInfo, draft: WeightUpdateInfo | None = None,
-                       version: int | str | None = None) -> None:
+                       version: int | str | None = None, *, drafter_frozen: bool = False) -> None:
         """Receive a new policy, then (when the proposer has parameters) the drafter, as one versioned update.
 
         The trainer streams the policy once and then replays the drafter's stream; the version is committed on the
@@ -258,20 +328,60 @@ class VLLMRolloutEngine:
         """
         if not self._transfer_ready:
             raise RuntimeError("update_weights: call init_weight_transfer(...) first")
-        needs_draft = self.method in METHODS_WITH_DRAFT_WEIGHTS
-        if needs_draft and draft is None:
+        if draft is None and self.method in METHODS_WITH_DRAFT_WEIGHTS and not drafter_frozen:
             raise ValueError(f"update_weights: draft: proposer {self.method!r} has its own weights; pass the "
-                             f"drafter's WeightUpdateInfo (a stale drafter makes SD slower than none)")
+                             f"drafter's WeightUpdateInfo, or drafter_frozen=True when no one trains it (a stale "
+                             f"drafter makes SD slower than none)")
+        if draft is not None and self.method not in METHODS_WITH_DRAFT_WEIGHTS:
+            raise ValueError(f"update_weights: draft: proposer {self.method!r} has no weights to update")
         tag = None if version is None else str(version)
-        self.llm.start_weight_update()
-        self.llm.update_weights(policy.request())
-        if needs_draft and draft is not None:
-            self.llm.finish_weight_update()
-            self.llm.start_draft_weight_update()
-            self.llm.update_weights(draft.request())
-        self.llm.finish_weight_update(weight_version=tag)
+        with self._lock:
+            self.llm.start_weight_update()
+            self.llm.update_weights(policy.request())
+            if draft is not None:
+                self.llm.finish_weight_update()
+                self.llm.start_draft_weight_update()
+                self.llm.update_weights(draft.request())
+            self.llm.finish_weight_update(weight_version=tag)
         self.weight_version = tag
 
     def refresh_drafter(self) -> None:
         raise RuntimeError("refresh_drafter: with the vLLM backend the drafter follows the policy through "
                            "update_weights(policy, draft=...)")
+
+
+class VLLMWeightSender:
+    """Trainer rank 0's side of vLLM's NCCL weight transfer: packed broadcasts straight from device tensors.
+
+    Uses vLLM's own rendezvous (``nccl_common.trainer_init``) and producer (``packed_nccl_broadcast_producer``), so
+    the wire format is by construction what `VLLMRolloutEngine.update_weights` unpacks on the workers. The trainer
+    calls `send` for the policy, then for the drafter, while the workers run the matching ``update_weights``.
+    """
+
+    def __init__(self, master_address: str, master_port: int, world_size: int,
+                 wire: TransferWire = TransferWire()) -> None:
+        try:
+            common = importlib.import_module("vllm.distributed.weight_transfer.nccl_common")
+            packed = importlib.import_module("vllm.distributed.weight_transfer.packed_tensor")
+        except ImportError as exc:
+            raise RuntimeError(f"sending weights to vLLM needs vllm=={TARGET_VLLM} in the trainer image: "
+                               f"pip install 'specrl[vllm]' ({exc})") from None
+        if not wire.packed:
+            raise ValueError("VLLMWeightSender: wire.packed must be True (one packed stream per update)")
+        self.wire = wire
+        self._producer = packed.packed_nccl_broadcast_producer
+        self.group = common.trainer_init({"master_address": master_address, "master_port": int(master_port),
+                                          "world_size": int(world_size)}, rank=0)
+
+    def send(self, named: Sequence[tuple[str, Any]]) -> WeightUpdateInfo:
+        """Broadcast `named` tensors (on their own device, no copies) and return the metadata workers need."""
+        info = WeightUpdateInfo.from_named_tensors(named)
+        self._producer(iterator=iter(named), group=self.group, src=0, post_iter_func=lambda item: item[1],
+                       buffer_size_bytes=self.wire.buffer_size_bytes, num_buffers=self.wire.num_buffers)
+        return info
+
+    def close(self) -> None:
+        """Release the NCCL communicator (membership changed: a new group is opened on a new port)."""
+        if self.group is not None:
+            self.group.destroy()
+            self.group = None

@@ -55,6 +55,8 @@ class DrafterTrainer:
             ids[i, : len(seq)] = torch.tensor(seq)
             attn[i, : len(seq)] = 1
             labels[i, n: len(seq)] = torch.tensor(seq[n:])  # only response tokens are drafted
+        dev = next(self.model.parameters()).device  # the trainer's device (cuda:<local rank> on a GPU pod)
+        ids, attn, labels = ids.to(dev), attn.to(dev), labels.to(dev)
         logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         if teacher is None:
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),

@@ -45,6 +45,8 @@ class RunSettings:
     trainers: int = 1
     rollouts: int = 1
     sync_backend: str = "gloo"
+    rollout_engine: str = "native"  # native | vllm (spec.rolloutEngine)
+    gpus_per_pod: int = 0  # GPUs each trainer/rollout actor holds (spec.resources.gpusPerPod; 0 = CPU)
     bucket_mb: int = 64
     checkpoint_dir: str | None = None
     checkpoint_interval: int = 0
@@ -122,6 +124,8 @@ def settings_from_job(job: Any) -> RunSettings:
         trainers=res.trainer.replicas,
         rollouts=res.rollout.replicas,
         sync_backend=backend,
+        rollout_engine=spec.rollout_engine,
+        gpus_per_pod=res.gpus_per_pod,
         bucket_mb=spec.weight_sync.bucket_mib,
         checkpoint_dir=spec.checkpoint.path,
         checkpoint_interval=spec.checkpoint.interval if spec.checkpoint.path else 0,

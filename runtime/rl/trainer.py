@@ -96,24 +96,52 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
+def trains_drafter(settings: RunSettings) -> bool:
+    """Whether trainer rank 0 keeps a drafter master copy, trains it, and streams it with every weight sync."""
+    return bool(settings.draft_model) and settings.method == "draft_model" and settings.drafter_training
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group: Any = None) -> None:
+    """Sum the gradients of every data-parallel rank in place, in one collective on the gradients' own device.
+
+    The flat buffer is allocated where the gradients live (GPU memory on a GPU trainer: no host round trip) and
+    the group's backend must be the one for that device (`specrl.runtime.devices.collective_backend`).
+    """
+    import torch.distributed as dist
+
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
 class TrainerWorker:
     """One data-parallel trainer rank. Rank 0 also owns the drafter master copy and sends weights."""
 
     def __init__(self, settings: RunSettings, rank: int = 0, world_size: int = 1, name: str | None = None,
                  metrics: Any = None) -> None:
+        from specrl.runtime.devices import device_for
         from specrl.runtime.models.bootstrap import load_policy
 
         torch.set_num_threads(max(1, settings.torch_threads))
         self.settings, self.rank, self.world_size = settings, rank, world_size
+        # Ray gives this actor its pod's GPUs and sets CUDA_VISIBLE_DEVICES: local rank 0 is cuda:0 there.
+        self.device = device_for(settings.gpus_per_pod)
         self.name = name or f"{settings.job}-trainer-{rank}"
         torch.manual_seed(settings.seed)
         random.seed(settings.seed)
         np.random.seed(settings.seed)
-        self.model = load_policy(settings.model)[0]
+        self.model = load_policy(settings.model)[0].to(self.device)
         self.model.train()
         self.ref_model = None
         if settings.kl_coef > 0:
-            self.ref_model = load_policy(settings.model)[0]
+            self.ref_model = load_policy(settings.model)[0].to(self.device)
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=(0.9, 0.99),
                                            weight_decay=0.0, eps=1e-8)
@@ -121,10 +149,11 @@ class TrainerWorker:
         self.step = 0
         self.weight_version = 0
         self.drafter = None
-        if rank == 0 and settings.draft_model and settings.method == "draft_model" and settings.drafter_training:
+        if rank == 0 and trains_drafter(settings):
             from specrl.runtime.rl.drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(settings)
+            self.drafter.model.to(self.device)  # in place: the optimizer keeps the same parameters
         self._dp_ready = False
         self.metrics = metrics
         self._sync_group = None
@@ -132,10 +161,20 @@ class TrainerWorker:
 
     # -- distributed ------------------------------------------------------------------------------------
 
-    def init_data_parallel(self, master_addr: str, master_port: int, backend: str = "gloo") -> bool:
-        """Join the trainers' process group (the default group of this process)."""
-        import torch.distributed as dist
+    def init_data_parallel(self, master_addr: str, master_port: int, backend: str | None = None) -> bool:
+        """Join the trainers' process group (the default group of this process).
 
+        The backend follows the gradients' device (`collective_backend`): NCCL all-reducing CPU tensors fails, so
+        a `backend` that does not match this trainer's device is refused rather than used.
+        """
+        import torch.distributed as dist
+        from specrl.runtime.devices import collective_backend
+
+        own = collective_backend(self.device)
+        if backend is not None and backend != own:
+            raise ValueError(f"backend: {backend!r} cannot all-reduce this trainer's {self.device} gradients "
+                             f"(use {own!r})")
+        backend = own
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.world_size)
@@ -143,18 +182,18 @@ class TrainerWorker:
         return True
 
     def regroup(self, rank: int, world_size: int, master_addr: str, master_port: int,
-                backend: str = "gloo") -> bool:
+                backend: str | None = None) -> bool:
         """Leave the old data-parallel group and join a new one (trainers joined or were drained)."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
         self.rank, self.world_size = rank, world_size
-        if rank == 0 and self.drafter is None and self.settings.draft_model and \
-                self.settings.method == "draft_model" and self.settings.drafter_training:
+        if rank == 0 and self.drafter is None and trains_drafter(self.settings):
             from specrl.runtime.rl.drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(self.settings)
+            self.drafter.model.to(self.device)
         return self.init_data_parallel(master_addr, master_port, backend)
 
     def export_state(self) -> dict[str, Any]:
@@ -174,18 +213,8 @@ class TrainerWorker:
         return True
 
     def _all_reduce_grads(self) -> None:
-        import torch.distributed as dist
-
-        if self.world_size == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.model.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for p, g in zip(self.model.parameters(), grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
+        if self.world_size > 1:
+            all_reduce_grads(list(self.model.parameters()))
 
     # -- training -------------------------------------------------------------------------------------
 
@@ -199,7 +228,7 @@ class TrainerWorker:
         async_mode = s.mode == "async"
         for start in range(0, len(samples), max(1, s.micro_batch)):
             micro = samples[start:start + s.micro_batch]
-            batch = pad_batch(micro)
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in pad_batch(micro).items()}
             logp = response_logprobs(self.model, batch, s.temperature)
             ref = None
             if self.ref_model is not None:
@@ -305,6 +334,11 @@ class TrainerWorker:
         from specrl.runtime.sync import SyncGroup, WeightSender, flatten_modules_
 
         self.close_sync_group()
+        if self.settings.rollout_engine == "vllm":  # rollout workers are vLLM engines: speak vLLM's wire format
+            from specrl.runtime.engine.vllm_backend import VLLMWeightSender
+
+            self._sender = VLLMWeightSender(host, port, world_size)
+            return True
         # Parameters become views of one buffer in sync_state() order, so every bucket goes out straight from
         # parameter memory (no packing copy). Redone per group because a drafter may have appeared since.
         modules = {"policy": self.model}
@@ -319,15 +353,35 @@ class TrainerWorker:
     def close_sync_group(self) -> None:
         if self._sync_group is not None:
             self._sync_group.close()
+        elif self._sender is not None and hasattr(self._sender, "close"):  # VLLMWeightSender's NCCL communicator
+            self._sender.close()
         self._sync_group = self._sender = None
 
     def send_weights(self, version: int) -> dict[str, float]:
         assert self._sender is not None, "open_sync_group first"
+        if self.settings.rollout_engine == "vllm":
+            return self._send_to_vllm()
         stats = self._sender.send(self.sync_state(), version)
         if self.metrics is not None:
             self.metrics.sync_duration.observe(stats.seconds)
             self.metrics.sync_bytes.inc(stats.bytes)
         return {"seconds": float(stats.seconds), "bytes": int(stats.bytes)}
+
+    def _send_to_vllm(self) -> dict[str, float]:
+        """The policy, then the trained drafter, from device memory with vLLM's packed producer (the rollout
+        workers run the matching update_weights; `vllm_backend.named_weights` fixes the order and dtype)."""
+        from specrl.runtime.engine.vllm_backend import named_weights
+
+        t0 = time.perf_counter()
+        dtype = getattr(torch, self.settings.dtype)
+        sent = self._sender.send(named_weights(self.model, dtype)).nbytes
+        if self.drafter is not None:
+            sent += self._sender.send(named_weights(self.drafter.model, dtype)).nbytes
+        seconds = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.sync_duration.observe(seconds)
+            self.metrics.sync_bytes.inc(sent)
+        return {"seconds": seconds, "bytes": sent}
 
     # -- checkpoints ----------------------------------------------------------------------------------
 

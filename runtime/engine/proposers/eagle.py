@@ -1,9 +1,15 @@
 """EAGLE-style feature-level drafter: one decoder layer on the target's hidden states (TLT's trainable drafter).
 
 Feature f_i is the target's final *normed* hidden state at position i (the input of lm_head, which predicts
-token i+1). The head maps (f_i, embed(t_{i+1})) -> fc -> one Llama decoder layer -> g_i, a prediction of
+token i+1). The head maps (embed(t_{i+1}), f_i) -> fc -> one Llama decoder layer -> g_i, a prediction of
 f_{i+1}; the target's own lm_head turns g_i into draft logits for token i+2. Embedding and lm_head are SHARED
 with the target (read, never trained here), so the head is small: fc (2H -> H) plus one layer.
+
+The head is laid out exactly as vLLM's EAGLE model (``vllm/model_executor/models/llama_eagle.py``) expects, so
+`save_for_vllm` writes its state dict unchanged: fc without bias over ``cat(embedding, feature)`` (that order), the
+layer's input RMSNorm removed (vLLM replaces layer 0's with Identity, as the original EAGLE), no final norm, no
+embedding/lm_head in the checkpoint (vLLM then shares the target's). `tests/contract/test_eagle_layout.py` checks
+this against the loader code of the pinned vLLM wheel.
 
 Inference: the proposer keeps the target features of every sequence position (the engine passes them after
 each prefill/AR/verify forward) and a one-layer KV cache over true features; drafting continues on predicted
@@ -40,19 +46,19 @@ class EagleHead(nn.Module):
             cfg.layer_types = ["full_attention"]
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.fc = nn.Linear(2 * h, h, bias=False)  # input: cat(embedding, feature), vLLM's order
         # Reuse the target architecture's decoder layer and rotary embedding classes.
         from transformers import AutoModel
 
         base = AutoModel.from_config(cfg)
         self.layers = nn.ModuleList([base.layers[0]])
+        self.layers[0].input_layernorm = nn.Identity()  # fc's output enters attention un-normed (EAGLE, vLLM)
         self.rotary_emb = base.rotary_emb
         del base
         with torch.no_grad():
             # Start close to "copy the feature through": helps a fresh head propose something sensible.
             self.fc.weight.zero_()
-            self.fc.weight[:, :h].copy_(torch.eye(h))
-            self.fc.bias.zero_()
+            self.fc.weight[:, h:].copy_(torch.eye(h))
 
     @classmethod
     def from_target(cls, target: nn.Module) -> EagleHead:
@@ -61,7 +67,7 @@ class EagleHead(nn.Module):
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Teacher-forced training forward: features [B, T, H], next_tokens [B, T] -> predicted next features."""
-        x = self.fc(torch.cat([features, F.embedding(next_tokens, embed_weight)], dim=-1))
+        x = self.fc(torch.cat([F.embedding(next_tokens, embed_weight), features], dim=-1))
         b, t, _ = x.shape
         pos = torch.arange(t, device=x.device).unsqueeze(0).expand(b, t)
         cos, sin = self.rotary_emb(x, pos)
@@ -146,7 +152,7 @@ class _EagleRunner(TransformerRunner):
 
         qkv = [at.q_proj, at.k_proj, at.v_proj]
         self.layers = [LayerWeights(
-            in_norm=layer.input_layernorm.weight.detach(),
+            in_norm=None,  # the head's layer has no input norm (see EagleHead)
             post_norm=layer.post_attention_layernorm.weight.detach(),
             qkv=Dense(torch.cat([m.weight for m in qkv]).detach(), _cat_bias(qkv)),
             o=Dense(at.o_proj.weight.detach(), None if at.o_proj.bias is None else at.o_proj.bias.detach()),
@@ -155,7 +161,7 @@ class _EagleRunner(TransformerRunner):
             down=Dense(mlp.down_proj.weight.detach(), None),
             act=mlp.act_fn,
         )]
-        self.fc = Dense(self.head_module.fc.weight.detach(), self.head_module.fc.bias.detach())
+        self.fc = Dense(self.head_module.fc.weight.detach(), None)
         self.cos_table = self.target_runner.cos_table
         self.sin_table = self.target_runner.sin_table
         self._signature = self._current_signature()
@@ -164,7 +170,7 @@ class _EagleRunner(TransformerRunner):
              last_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] + next tokens [B, T] -> (draft logits fp32, predicted features)."""
         plan = self.plan(0, starts, tokens.shape[1])
-        x = self.fc(torch.cat([features, F.embedding(tokens, self.target_runner.embed)], dim=-1))
+        x = self.fc(torch.cat([F.embedding(tokens, self.target_runner.embed), features], dim=-1))
         g = self.layers_forward(x, cache, plan)
         if last_index is not None:
             g = g[torch.arange(g.shape[0], device=g.device), last_index]
@@ -247,3 +253,67 @@ class EagleProposer(Proposer):
         for i in range(b):
             self.head_lens[i] = m[i]
         return Proposal(tokens=tokens, probs=probs)
+
+
+# -- export in vLLM's EAGLE layout --------------------------------------------------------------------------------
+
+VLLM_EAGLE_WEIGHTS = "model.safetensors"
+
+
+def vllm_eagle_config(head: EagleHead) -> dict:
+    """The drafter's ``config.json`` for vLLM's ``EagleLlamaForCausalLM`` (``speculative_config.method="eagle"``).
+
+    vLLM builds the head from a Llama config (``EAGLEConfig`` prefixes the architecture with ``Eagle``); a Qwen2
+    target's q/k/v biases become ``qkv_bias`` — without it vLLM would silently drop them (its loader ignores
+    unexpected ``.bias`` tensors).
+    """
+    cfg = head.config
+    attn = head.layers[0].self_attn
+    out = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+        "attention_bias": attn.o_proj.bias is not None, "qkv_bias": attn.q_proj.bias is not None,
+        "mlp_bias": head.layers[0].mlp.gate_proj.bias is not None,
+        "torch_dtype": str(head.fc.weight.dtype).removeprefix("torch."),
+    }
+    rope = getattr(cfg, "rope_parameters", None)
+    if rope:
+        out["rope_parameters"] = dict(rope)
+        out["rope_theta"] = rope.get("rope_theta", 10000.0)  # older readers look for the flat key
+    elif getattr(cfg, "rope_theta", None) is not None:
+        out["rope_theta"] = cfg.rope_theta
+    return out
+
+
+def save_for_vllm(head: EagleHead, folder: str) -> None:
+    """Write ``config.json`` + ``model.safetensors`` that vLLM loads as an EAGLE drafter (names unchanged)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(tensors, os.path.join(folder, VLLM_EAGLE_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(vllm_eagle_config(head), f, indent=1)
+
+
+def load_for_vllm_folder(folder: str, target: nn.Module) -> EagleHead:
+    """The inverse of `save_for_vllm`: a head for `target` from a vLLM-layout EAGLE folder."""
+    import os
+
+    from safetensors.torch import load_file
+
+    head = EagleHead.from_target(target)
+    state = load_file(os.path.join(folder, VLLM_EAGLE_WEIGHTS), device=str(next(head.parameters()).device))
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: not an EAGLE head for this target (missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]})")
+    return head

@@ -175,9 +175,10 @@ def test_policy_update_refreshes_engine_and_drafters(target) -> None:
 
     trained = EagleHead.from_target(policy)
     with torch.no_grad():
-        trained.fc.bias.fill_(0.25)
+        trained.fc.weight.fill_(0.25)
     engine.load_drafter_state(trained.state_dict(), method="eagle")
-    assert torch.allclose(engine.proposers["eagle"].runner.fc.bias, torch.full_like(trained.fc.bias, 0.25))
+    assert torch.allclose(engine.proposers["eagle"].runner.fc(torch.ones(1, trained.fc.in_features)),
+                       trained.fc(torch.ones(1, trained.fc.in_features)))
     with pytest.raises(ValueError, match="^method:"):
         engine.load_drafter_state({}, method="draft_model")
 

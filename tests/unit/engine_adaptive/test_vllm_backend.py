@@ -80,7 +80,7 @@ def test_schedule_follows_the_calibrated_toggle() -> None:
     assert config["num_speculative_tokens_per_batch_size"] == schedule
 
 
-def test_engine_builds_llm_generates_and_converts(fake_vllm: Any, vllm_calls: list) -> None:
+def test_engine_builds_llm_generates_and_converts(fake_vllm_module: Any, vllm_calls: list) -> None:
     ctrl = AdaptiveController(["draft_model"], cost_model=memory_bound_model(), alpha_priors={"draft_model": 0.85})
     engine = VLLMRolloutEngine("/ckpt/policy", spec(method="draft_model", draftModel="/models/bench-draft"),
                                draft_model_path="/ckpt/draft", controller=ctrl, max_num_seqs=32, enforce_eager=True)
@@ -106,7 +106,7 @@ def test_engine_builds_llm_generates_and_converts(fake_vllm: Any, vllm_calls: li
         engine.generate([[1], []], params)
 
 
-def test_weight_update_sequence_includes_the_drafter(fake_vllm: Any, vllm_calls: list) -> None:
+def test_weight_update_sequence_includes_the_drafter(fake_vllm_module: Any, vllm_calls: list) -> None:
     engine = VLLMRolloutEngine("/p", spec(method="eagle3", draftModel="org/head"))
     with pytest.raises(RuntimeError, match="init_weight_transfer"):
         engine.update_weights(WeightUpdateInfo([], [], []))
@@ -122,18 +122,18 @@ def test_weight_update_sequence_includes_the_drafter(fake_vllm: Any, vllm_calls:
         "start_weight_update", "update_weights", "finish_weight_update",
         "start_draft_weight_update", "update_weights", "finish_weight_update"]
     assert vllm_calls[1][1] == {"update_info": {"names": ["model.embed_tokens.weight", "lm_head.weight"],
-                                                "dtype_names": ["float32", "bfloat16"], "shapes": [[4, 2], [4, 2]],
-                                                "packed": True}}
+                                                "dtype_names": ["float32", "bfloat16"], "shapes": [[4, 2], [4, 2]]}}
     assert vllm_calls[4][1]["update_info"]["names"] == ["fc.weight"]
     assert vllm_calls[2][1] is None and vllm_calls[5][1] == "7"  # version committed with the drafter
     assert engine.llm.get_weight_version() == "7" and engine.weight_version == "7"
 
 
-def test_weight_update_without_drafter_weights(fake_vllm: Any, vllm_calls: list) -> None:
+def test_weight_update_without_drafter_weights(fake_vllm_module: Any, vllm_calls: list) -> None:
     engine = VLLMRolloutEngine("/p", spec(method="ngram"))
     engine.init_weight_transfer("h", 1, 1, 2)
     assert vllm_calls[-1] == ("init_weight_transfer_engine", {"init_info": {
-        "master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2}})
+        "master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2, "packed": True,
+        "packed_buffer_size_bytes": 1 << 30, "packed_num_buffers": 2}})
     del vllm_calls[:]
     engine.update_weights(WeightUpdateInfo(["w"], ["float32"], [[1]]), version=2)
     assert [c[0] for c in vllm_calls] == ["start_weight_update", "update_weights", "finish_weight_update"]
@@ -143,5 +143,26 @@ def test_missing_vllm_is_a_clear_error(monkeypatch: Any) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(RuntimeError, match=r"vllm>=0.25"):
+    with pytest.raises(RuntimeError, match=r"vllm==0.33.0"):
         VLLMRolloutEngine("/p", spec(method="ngram"))
+
+
+def test_spec_decode_counters_from_vllm_metrics(fake_vllm_module: Any) -> None:
+    engine = VLLMRolloutEngine("/p", spec(method="ngram"))
+    assert engine.llm._kwargs["disable_log_stats"] is False  # vllm.LLM disables stats by default
+    assert engine.stats == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=3))
+    assert engine.stats == {"drafts": 6, "draft_tokens": 12, "accepted_tokens": 6}
+
+
+def test_sender_broadcasts_device_tensors_with_vllms_producer(fake_vllm_module: Any, vllm_calls: list) -> None:
+    from specrl.runtime.engine.vllm_backend import VLLMWeightSender
+
+    sender = VLLMWeightSender("10.0.0.1", 29600, world_size=3)
+    assert vllm_calls[0] == ("trainer_init", {"init_info": {"master_address": "10.0.0.1", "master_port": 29600,
+                                                            "world_size": 3}, "rank": 0})
+    w = torch.ones(2, 3)
+    info = sender.send([("lm_head.weight", w)])
+    assert info.request() == {"update_info": {"names": ["lm_head.weight"], "dtype_names": ["float32"],
+                                              "shapes": [[2, 3]]}}
+    assert sender.group._broadcasts[0][1] is w  # the tensor itself: no host copy, no clone

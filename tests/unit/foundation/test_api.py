@@ -231,6 +231,13 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
      "async mode needs maxStaleness >= 1", SAME),
     ("nccl-needs-gpus", _doc({"weightSync": {"backend": "nccl"}, "resources": {"gpusPerPod": 0}}),
      "spec.weightSync.backend", "nccl needs GPUs", SAME),
+    ("eagle3-needs-vllm", _doc({"speculative": {"method": "eagle3", "draftModel": "org/head"}}),
+     "spec.rolloutEngine", "runs on the vLLM engine only", SAME),
+    ("vllm-has-no-layer-skip", _doc({"rolloutEngine": "vllm", "speculative": {"method": "layer_skip"}}),
+     "spec.rolloutEngine", "native engine only", SAME),
+    ("vllm-needs-gpus", _doc({"rolloutEngine": "vllm", "resources": {"gpusPerPod": 0}}),
+     "spec.rolloutEngine", "needs GPUs", SAME),
+    ("vllm-eagle3-ok", _doc({"rolloutEngine": "vllm", "speculative": {"method": "mtp"}}), "", "", SAME),
 ]
 
 _CRD = CRDSchema(build_crd())
