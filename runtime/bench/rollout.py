@@ -41,11 +41,10 @@ from specrl.runtime.engine.adaptive import (
     AdaptiveController,
     AdaptiveSettings,
     Calibration,
-    FixedController,
     calibrate,
     label,
 )
-from specrl.runtime.engine.control import Decision, StepRecord
+from specrl.runtime.engine.control import Decision, FixedController, StepRecord
 
 BENCH_SEED = 20260522
 TARGET = "builtin:bench"
@@ -463,7 +462,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     for r in range(plan.repeats):
         for name, method, gamma in configs:
             progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: {name}")
-            runs[name].append(run_engine(engine, FixedController(Decision(method, gamma)), prompts, params))
+            runs[name].append(run_engine(engine, FixedController(method, gamma), prompts, params))
             advance()
         progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: adaptive")
         runs["adaptive"].append(run_engine(engine, adaptive, prompts, params))
@@ -508,8 +507,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     pad = 0
     for r in range(plan.repeats):
         progress(f"batch 1, repeat {r + 1}/{plan.repeats}")
-        for key, ctrl in (("ar", FixedController(AR)), ("sd", FixedController(Decision(sd_method, sd_gamma)))
-                          if sd_method else ("sd", FixedController(AR)), ("adaptive", adaptive)):
+        for key, ctrl in (("ar", FixedController(None)), ("sd", FixedController(sd_method, sd_gamma)),
+                          ("adaptive", adaptive)):
             tok, sec = 0, 0.0
             for i, p in enumerate(bs1_prompts):
                 res = run_engine(engine, ctrl, [p], sampling(1, plan.max_new_tokens, models.eos_id, offset=i))
@@ -587,7 +586,7 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
             params = sampling(b, plan.sweep_tokens, None, offset=10_000 + 100 * r)
             for name, (m, g) in fixed.items():
                 progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} {name}")
-                samples[b][name].append(run_engine(engine, FixedController(Decision(m, g)), prompts, params)
+                samples[b][name].append(run_engine(engine, FixedController(m, g), prompts, params)
                                         .tokens_per_s)
             progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} adaptive")
             samples[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params).tokens_per_s)
@@ -602,7 +601,7 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
 
 
 def _model_choice(cal: Calibration, adaptive: AdaptiveController, b: int) -> Decision:
-    return adaptive._model_decision(b)
+    return adaptive.choose(b)
 
 
 def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -10,8 +10,10 @@ parts). Every record is also kept in `engine.stats.steps` (bounded) for metrics 
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class StepRecord:
     seconds: float  # wall time of the whole step
     draft_seconds: float  # of which proposing
     target_seconds: float  # of which the target forward + sampling/verification
+    # draft positions actually tested: per row min(accepted + 1, drafted) — accepted / tried is the MLE of the
+    # per-token acceptance probability (0 when unknown)
+    tried_tokens: int = 0
 
 
 @runtime_checkable
@@ -41,15 +46,51 @@ class Controller(Protocol):
     def observe(self, decision: Decision, record: StepRecord) -> None: ...
 
 
-class FixedController:
-    """Always the configured method and draft length (method "none": always AR)."""
+class StepClock:
+    """Which seconds a step costs: "wall" (the engine's own timing; right on a dedicated machine or GPU) or
+    "cpu" (this process's CPU time between decide and observe: on a shared CPU machine other processes stretch
+    wall time by up to 5x within minutes, which would drown 10-20% differences between options)."""
 
-    def __init__(self, method: str | None, gamma: int) -> None:
-        self.decision = Decision(method=None if method in (None, "none") else method,
-                                 gamma=gamma if method not in (None, "none") else 0)
+    def __init__(self, clock: str = "wall") -> None:
+        if clock not in ("wall", "cpu"):
+            raise ValueError(f"clock: must be 'wall' or 'cpu', got {clock!r}")
+        self.clock = clock
+        self._t0: float | None = None
+
+    def start(self) -> None:
+        if self.clock == "cpu":
+            self._t0 = time.process_time()
+
+    def restamp(self, record: StepRecord) -> StepRecord:
+        if self.clock != "cpu" or self._t0 is None:
+            return record
+        seconds = max(time.process_time() - self._t0, 1e-9)
+        self._t0 = None
+        share = record.draft_seconds / record.seconds if record.seconds > 0 else 0.0
+        return dataclasses.replace(record, seconds=seconds, draft_seconds=seconds * share,
+                                   target_seconds=seconds * (1 - share))
+
+
+class FixedController:
+    """Always the configured method and draft length (method None/"none": plain decoding).
+
+    With `clock` set it also keeps every step's record, timed by that clock (calibration and benchmarks).
+    """
+
+    def __init__(self, method: str | None, gamma: int = 0, clock: str | None = None) -> None:
+        off = method in (None, "none")
+        self.decision = Decision(method=None if off else method, gamma=0 if off else gamma)
+        self.records: list[StepRecord] | None = [] if clock else None
+        self._clock = StepClock(clock or "wall")
 
     def decide(self, active_batch_size: int) -> Decision:
+        self._clock.start()
         return self.decision
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
-        return None
+        if self.records is not None:
+            self.records.append(self._clock.restamp(record))
+
+    def stats(self) -> dict[str, Any]:
+        label = f"{self.decision.method}:{self.decision.gamma}" if self.decision.method else "ar"
+        return {"adaptive": False, "decision": label}

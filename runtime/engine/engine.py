@@ -162,6 +162,7 @@ class RolloutEngine:
         max_model_len: int | None = None,
         controller: Controller | None = None,
         seed: int | None = None,
+        dtype: str | torch.dtype | None = None,
     ) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be an integer >= 1, got {max_batch_size!r}")
@@ -177,7 +178,9 @@ class RolloutEngine:
         self.max_gamma = self.speculative.gamma_cap
         # Speculative steps write up to gamma positions past a sequence's end before rollback.
         self.cache_len = self.max_model_len + self.max_gamma + 1
-        self.runner = TransformerRunner(model, max_positions=self.cache_len)
+        # dtype: None runs in the model's own dtype (the losslessness reference); "auto" in bfloat16 where the
+        # CPU has native bf16 kernels. Sampling and rejection math stay in fp32/fp64 either way.
+        self.runner = TransformerRunner(model, max_positions=self.cache_len, dtype=dtype)
         self.device = self.runner.device
         self._sync_timing = self.device.type == "cuda"
         self.vocab_size = self.runner.vocab_size
@@ -445,6 +448,7 @@ class RolloutEngine:
         self._truncate_proposers(active)
         drafted = sum(lens)
         accepted = sum(nacc)
+        tried = sum(min(a + 1, n) for a, n in zip(nacc, lens))
         self.stats.drafts += sum(1 for n in lens if n > 0)
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
@@ -458,7 +462,8 @@ class RolloutEngine:
         t2 = time.perf_counter()
         self.stats.decode_seconds += t2 - t0
         self._step += 1
-        return StepRecord(self._step, decision.method, gamma, b, drafted, accepted, emitted, t2 - t0, t1 - t0, t2 - t1)
+        return StepRecord(self._step, decision.method, gamma, b, drafted, accepted, emitted, t2 - t0, t1 - t0, t2 - t1,
+                          tried)
 
     def _truncate_proposers(self, active: list[_Seq]) -> None:
         if self.proposers:

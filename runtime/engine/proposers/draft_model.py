@@ -33,7 +33,8 @@ class DraftModelProposer(Proposer):
         if self.draft_model.config.vocab_size != engine.vocab_size:
             raise ValueError(f"draft_model: vocab_size {self.draft_model.config.vocab_size} differs from the "
                              f"target's {engine.vocab_size}")
-        self.runner = TransformerRunner(self.draft_model, int8=self.int8, max_positions=engine.cache_len)
+        self.runner = TransformerRunner(self.draft_model, int8=self.int8, max_positions=engine.cache_len,
+                                        dtype=engine.runner.dtype)
         if self.runner.device != engine.device:
             raise ValueError(f"draft_model: on {self.runner.device}, the target is on {engine.device}")
         self.cache = self.runner.new_cache(engine.max_batch_size, engine.cache_len)

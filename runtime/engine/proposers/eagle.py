@@ -151,17 +151,21 @@ class _EagleRunner(TransformerRunner):
         from specrl.runtime.engine.model_runner import _cat_bias
 
         qkv = [at.q_proj, at.k_proj, at.v_proj]
+
+        def c(t: torch.Tensor | None) -> torch.Tensor | None:  # the head runs in the target runner's dtype
+            return None if t is None else t.detach().to(self.dtype)
+
         self.layers = [LayerWeights(
             in_norm=None,  # the head's layer has no input norm (see EagleHead)
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv=Dense(torch.cat([m.weight for m in qkv]).detach(), _cat_bias(qkv)),
-            o=Dense(at.o_proj.weight.detach(), None if at.o_proj.bias is None else at.o_proj.bias.detach()),
-            gate_up=Dense(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                          _cat_bias([mlp.gate_proj, mlp.up_proj])),
-            down=Dense(mlp.down_proj.weight.detach(), None),
+            post_norm=c(layer.post_attention_layernorm.weight),
+            qkv=Dense(c(torch.cat([m.weight for m in qkv])), c(_cat_bias(qkv))),
+            o=Dense(c(at.o_proj.weight), c(at.o_proj.bias)),
+            gate_up=Dense(c(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+                          c(_cat_bias([mlp.gate_proj, mlp.up_proj]))),
+            down=Dense(c(mlp.down_proj.weight), None),
             act=mlp.act_fn,
         )]
-        self.fc = Dense(self.head_module.fc.weight.detach(), None)
+        self.fc = Dense(c(self.head_module.fc.weight), None)
         self.cos_table = self.target_runner.cos_table
         self.sin_table = self.target_runner.sin_table
         self._signature = self._current_signature()
