@@ -255,19 +255,24 @@ class AdaptiveSpec(_Strict):
     ))
 
     toggle: bool = Field(default=True, description=(
-        "Switch speculation on and off by a calibrated cost model (on at small active batch, off when compute-bound)."))
-    draft_length: bool = Field(default=True, description="Adapt the number of draft tokens to the running acceptance.")
+        "Plain decoding is an option of the cost-model policy (speculation off where it would not pay, e.g. at large "
+        "active batch)."))
+    draft_length: bool = Field(default=True, description=(
+        "Pick the number of draft tokens per step in [minDraftTokens, maxDraftTokens] from the running acceptance "
+        "(else numSpeculativeTokens)."))
     min_draft_tokens: int = Field(default=1, ge=1, le=64, description="Lower bound of the adaptive draft length.")
     max_draft_tokens: int = Field(default=8, ge=1, le=64, description="Upper bound of the adaptive draft length.")
     strategy: bool = Field(default=True, description=(
-        "Pick the proposer and draft length per batch-size bucket with an epsilon-greedy bandit on measured goodput."))
-    epsilon: float = Field(default=0.1, ge=0, le=1, description="Exploration probability of the strategy bandit.")
-    window: int = Field(default=1000, ge=1, le=10_000_000, description="Decode steps in the sliding window of acceptance/goodput statistics.")
+        "Every proposer the engine built is an option of the policy (else only spec.speculative.method)."))
+    epsilon: float = Field(default=0.01, ge=0, le=1, description=(
+        "Share of decode steps that probe an option the policy is not using, to refresh its acceptance and cost."))
+    window: int = Field(default=32, ge=1, le=10_000_000, description=(
+        "Step-time samples kept per quantity and batch size (the estimate is a low quantile of them)."))
     batch_size_buckets: list[Annotated[int, Field(ge=1, le=1_000_000)]] = Field(
         default_factory=lambda: [1, 2, 5, 21], min_length=1, max_length=32,
         json_schema_extra={"x-kubernetes-list-type": "set"}, description=(
-            "Lower bounds of the active-batch-size buckets the bandit keeps separate statistics for "
-            "(distinct; kept sorted)."))
+            "Deprecated and ignored (the cost-model policy keeps estimates per exact batch size); accepted so "
+            "existing jobs stay valid."))
 
     @model_validator(mode="after")
     def _check(self) -> AdaptiveSpec:

@@ -108,7 +108,7 @@ class RolloutWorker:
                         seed=self.settings.seed)
         self.engine.controller = AdaptiveController(
             list(self.engine.proposers), cost_model=cal.cost_model, alpha_priors=cal.alpha, metrics=self.metrics,
-            settings=settings_from_spec(self.settings.extra.get("speculative"), seed=self.settings.seed))
+            settings=settings_from_spec(self.settings.extra.get("speculative")))
         self.engine.stats.reset()  # calibration steps are not rollouts
         self.calibration = cal.summary()
 

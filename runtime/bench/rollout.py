@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
 from specrl.runtime.engine.adaptive import (
-    AR,
     AdaptiveController,
     AdaptiveSettings,
     Calibration,
@@ -454,7 +453,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     advance()
     phase("calibrate")
     adaptive = AdaptiveController(available, cost_model=cal.cost_model, alpha_priors=cal.alpha,
-                                  settings=AdaptiveSettings(seed=BENCH_SEED, clock=CLOCK))
+                                  settings=AdaptiveSettings(clock=CLOCK))
 
     configs = [c for c in FIXED_CONFIGS if c[1] is None or c[1] in available]
     runs: dict[str, list[RunResult]] = {name: [] for name, _, _ in configs}
