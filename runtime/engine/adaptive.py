@@ -380,7 +380,9 @@ class AdaptiveController:
         b = record.batch_size
         if b < 1 or record.seconds <= 0:
             return
-        method = decision.method if is_speculative(decision) else None
+        # what ran (the engine decodes plainly when every row ends within one token, and caps γ at the budget)
+        decision = Decision(record.method, record.gamma) if record.method and record.gamma > 0 else AR
+        method = decision.method
         switched, self._last_method = method != self._last_method, method
         self._last_run[method] = self.steps
         self._tables.pop(b, None)

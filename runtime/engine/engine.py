@@ -182,7 +182,6 @@ class RolloutEngine:
         # CPU has native bf16 kernels. Sampling and rejection math stay in fp32/fp64 either way.
         self.runner = TransformerRunner(model, max_positions=self.cache_len, dtype=dtype)
         self.device = self.runner.device
-        self._sync_timing = self.device.type == "cuda"
         self.vocab_size = self.runner.vocab_size
         self.cache = self.runner.new_cache(max_batch_size, self.cache_len)
         self.stats = EngineStats()
@@ -416,14 +415,19 @@ class RolloutEngine:
         if proposer is None:
             raise ValueError(f"controller: method {decision.method!r} is not one of the engine's proposers "
                              f"{sorted(self.proposers)}")
-        gamma = max(1, min(int(decision.gamma), self.max_gamma))
+        # No row drafts past its budget (max_new_tokens, max_model_len): a step emits at most budget tokens, so
+        # gamma = budget - 1 is enough, and a batch whose rows all end within one token decodes plainly.
+        cap = max(min(s.params.max_new_tokens - s.generated, self.max_model_len - len(s.tokens)) for s in active) - 1
+        gamma = min(int(decision.gamma), self.max_gamma, cap)
+        if gamma < 1:
+            return self._ar_step(active, Decision(None, 0))
         b = len(active)
         st = self._batch_sampling(active)
         u = self._uniforms(active, 2 * gamma + 1)
         ctx = DraftContext(tokens=[s.tokens for s in active], sampling=st, uniforms=u[:, :gamma])
         prop = proposer.propose(ctx, gamma)
-        if self._sync_timing:
-            torch.cuda.synchronize(self.device)  # honest draft/target split for the controller's cost model
+        # No device sync for timing: the step's one host transfer below bounds its total time; on an accelerator
+        # the draft/target split is then approximate (kernels still queued count as target time).
         t1 = time.perf_counter()
         starts = [len(s.tokens) - 1 for s in active]
         pending = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.int64, device=self.device)
@@ -434,10 +438,14 @@ class RolloutEngine:
         probs = process_logits(flat_logits, st.expand(gamma + 1)).view(b, gamma + 1, v)
         res = rejection_sample(probs, prop.tokens, prop.probs, u[:, gamma : 2 * gamma], u[:, 2 * gamma], prop.lens)
         lp = self._logprobs(probs.view(-1, v), flat_logits, res.tokens.view(-1), active).view(b, gamma + 1)
-        toks = res.tokens.tolist()
-        nacc = res.num_accepted.tolist()
-        lps = lp.tolist()
-        lens = [gamma] * b if prop.lens is None else prop.lens.tolist()
+        # One device->host transfer per step: tokens (exact in float64), accepted counts, draft lengths, logprobs.
+        draft_lens = prop.lens if prop.lens is not None else torch.full((b,), gamma, device=self.device)
+        host = torch.cat([res.tokens.double(), res.num_accepted.double().unsqueeze(1),
+                          draft_lens.double().unsqueeze(1), lp.double()], dim=1).tolist()
+        toks = [[int(t) for t in row[: gamma + 1]] for row in host]
+        nacc = [int(row[gamma + 1]) for row in host]
+        lens = [int(row[gamma + 2]) for row in host]
+        lps = [row[gamma + 3 :] for row in host]
         for p in self.proposers.values():
             if p.needs_hidden:
                 p.observe_target(hidden, starts, [a + 1 for a in nacc])

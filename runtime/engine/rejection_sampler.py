@@ -60,21 +60,20 @@ def rejection_sample(
 
     p_final = target_probs[rows, num_accepted]  # [B, V]
     rejected = num_accepted < lens
-    if bool(rejected.any()):
-        pos = num_accepted.clamp(max=max(g - 1, 0))
-        if draft_probs is None:
-            q_final = torch.zeros_like(p_final)
+    # The residual is computed for every row (no `.any()`: on an accelerator that is a host sync per step).
+    pos = num_accepted.clamp(max=max(g - 1, 0))
+    if draft_probs is None:
+        q_final = torch.zeros_like(p_final)
+        if g > 0:
             q_final[rows, safe_tokens[rows, pos]] = 1.0
-        else:
-            q_final = draft_probs[rows, pos]
-        residual = (p_final - q_final).clamp_(min=0.0)
-        mass = residual.sum(dim=1, keepdim=True)
-        # mass > 0 whenever a rejection can happen (p(d) < q(d) implies p != q); the guard only protects
-        # against fp32 underflow, falling back to p itself.
-        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
-        final_probs = torch.where(rejected.unsqueeze(1), residual, p_final)
     else:
-        final_probs = p_final
+        q_final = draft_probs[rows, pos]
+    residual = (p_final - q_final).clamp_(min=0.0)
+    mass = residual.sum(dim=1, keepdim=True)
+    # mass > 0 whenever a rejection can happen (p(d) < q(d) implies p != q); the guard only protects against
+    # fp32 underflow, falling back to p itself.
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
+    final_probs = torch.where(rejected.unsqueeze(1), residual, p_final)
     final_tokens = sample_from_probs(final_probs, final_uniforms)
 
     out = torch.full((b, g1), -1, dtype=torch.int64, device=dev)

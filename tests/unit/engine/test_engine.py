@@ -308,3 +308,51 @@ def test_mixed_logprob_modes_in_one_continuous_batch(target, draft) -> None:
             ref_cfg = cfg if mode == "processed" else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
             np.testing.assert_allclose(out.logprobs, _teacher_forced_logprobs(target, prompt, out.token_ids, ref_cfg),
                                        atol=1e-4)
+
+
+def test_incremental_ngram_index_matches_the_scan() -> None:
+    import random
+
+    from specrl.runtime.engine.proposers.ngram import NgramProposer, ngram_lookup
+
+    class _Engine:
+        device = torch.device("cpu")
+        max_batch_size = 2
+
+    rng = random.Random(1)
+    for _ in range(200):
+        proposer = NgramProposer(1, 4)
+        proposer.attach(_Engine())
+        toks = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
+        for _ in range(30):  # the sequence grows by 1..3 tokens per step, as accepted drafts append
+            gamma = rng.randrange(1, 6)
+            assert proposer._lookup(1, toks, gamma) == ngram_lookup(toks, 1, 4, gamma)
+            toks += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]
+        proposer.move_slot(1, 0)
+        assert proposer._lookup(0, toks, 3) == ngram_lookup(toks, 1, 4, 3) and proposer.index[1] == {}
+
+
+def test_draft_length_is_capped_at_each_rows_budget(target, draft) -> None:
+    engine = RolloutEngine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=6),
+                           draft_model=draft, max_batch_size=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=3)
+    outs = engine.generate([[1, 2, 3]], params)
+    assert len(outs[0].token_ids) == 4
+    # the prefill emits token 1; then at most 3 more: gamma <= 2 on the first step, and never past the budget
+    assert all(r.gamma <= 2 for r in engine.stats.steps if r.method)
+    assert engine.stats.draft_tokens <= 3
+
+
+@pytest.mark.skipif(not __import__("specrl.runtime.engine.model_runner", fromlist=["native_bf16"]).native_bf16(),
+                    reason="this CPU has no native bfloat16 kernels; the engine runs float32 there")
+@pytest.mark.parametrize("method", PROPOSERS)
+def test_bfloat16_engine_greedy_sd_equals_ar(method: str, target, draft) -> None:
+    """dtype="auto" runs bfloat16 here (oneDNN pre-packed weights); speculation stays exact against plain
+    decoding in the same dtype."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    ar_engine = RolloutEngine(target, max_batch_size=4, dtype="auto")
+    assert ar_engine.runner.dtype == torch.bfloat16
+    ar = ar_engine.generate(PROMPTS, params)
+    sd = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
+                       max_batch_size=4, dtype="auto").generate(PROMPTS, params)
+    assert [o.token_ids for o in sd] == [o.token_ids for o in ar]
