@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
         b.add_argument("--repeats", type=positive_int, default=None, metavar="N",
                        help="repetitions (the median is reported)")
+        if name == "rollout":
+            b.add_argument("--model", default=None, metavar="NAME",
+                           help="a real checkpoint (e.g. builtin:smollm2-135m): chat prompts, every native proposer "
+                                "vs plain decoding vs transformers, and the batch-1 roofline")
 
     p = _command(sub, "simulate", "simulate an RL job at cluster scale (a cost model; no torch needed)",
                  "Compares plain decoding, speculative decoding, the best static trainer/rollout split and the\n"

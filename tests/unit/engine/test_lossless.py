@@ -99,7 +99,8 @@ def test_chi_square_first_tokens(method: str, cfg_name: str, target, draft, laws
         assert st.sd_steps > 0 and st.draft_tokens > 0
         if method != "quantized_self":  # an int8 copy of the target is rarely rejected: no guarantee here
             assert st.accepted_tokens < st.draft_tokens, "no rejection happened: the test would miss residual bugs"
-        assert st.accepted_tokens > 0
+        if method != "ngram":  # γ is capped at the K-1 tokens left: one deterministic guess may never match
+            assert st.accepted_tokens > 0
 
 
 @pytest.mark.slow
