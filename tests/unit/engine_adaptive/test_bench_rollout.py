@@ -42,3 +42,29 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     assert {row["batch_size"] for row in r["sweep"]} == {1, 3}
     for row in r["sweep"]:
         assert row["best_fixed"] in row["tokens_per_s"] and row["adaptive_vs_best"] > 0
+        assert set(row["tokens_per_s_spread"]) == set(row["tokens_per_s"]) and row["adaptive_vs_best_per_repeat"]
+    # what could explain a different result elsewhere, and the spread of repeats next to each median
+    m = r["machine"]
+    assert m["threads"] >= 1 and m["engine_dtype"].startswith("torch.") and "load_average_end" in m
+    assert len(r["model"]["digest"]) == 16 and r["model"]["digest"] != r["model"]["draft_digest"]
+    lengths = r["workload"]["response_length"]
+    assert lengths["median"] <= lengths["p95"] <= lengths["max"]
+    assert all(c["tokens_per_s_spread"][0] - 1e-3 <= c["tokens_per_s"] <= c["tokens_per_s_spread"][1] + 1e-3
+               for c in r["configs"])
+    assert r["adaptive"]["vs_best_fixed"]["best_fixed"] in names and r["adaptive"]["vs_best_fixed"]["ratio"] > 0
+
+
+def test_bench_helpers() -> None:
+    from specrl.runtime.bench.rollout import engine_bytes_per_step, length_stats, spread
+    from specrl.runtime.engine import RolloutEngine
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert length_stats([1] * 19 + [101]) == {"median": 1, "p95": 101, "max": 101, "mean": 6.0}
+    assert spread([3.0, None, 1.0, 2.0]) == [1.0, 3.0] and spread([]) is None
+    cfg = LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    params = sum(p.numel() for p in model.parameters())  # the tied matrix counts once here
+    engine = RolloutEngine(model, max_batch_size=1, dtype="float32")
+    # every weight once, one embedding row, plus the tied lm_head read in full
+    assert engine_bytes_per_step(engine) == 4 * (params - 100 * 16 + 16 + 100 * 16)
