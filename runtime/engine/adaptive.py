@@ -385,7 +385,6 @@ class AdaptiveController:
         method = decision.method
         switched, self._last_method = method != self._last_method, method
         self._last_run[method] = self.steps
-        self._tables.pop(b, None)
         if method is None:
             old = self.costs.target_step.get(b) if self.costs is not None else None
             t = self._sample(("ar", b), record.seconds, old)
