@@ -15,7 +15,7 @@ help:
 	@echo "make test      set up (venv, torch CPU, kubectl, helm, prometheus), then run the whole test suite"
 	@echo "make test-fast unit tests only"
 	@echo "make e2e       the join test: kubectl -> real operator -> pods as local specrl worker processes -> Complete"
-	@echo "make bench     specrl bench rollout + sync (writes bench/*.json)"
+	@echo "make bench     specrl bench rollout (builtin:bench, then SmolLM2-135M) + sync (writes bench/*.json)"
 	@echo "make lint      ruff (whole tree) and mypy (MYPY_FILES)"
 	@echo "make crd       regenerate crds/ and the chart's copy"
 
@@ -62,6 +62,7 @@ e2e: venv
 bench: venv
 	mkdir -p bench
 	$(BIN)/specrl bench rollout --json bench/rollout.json
+	$(BIN)/specrl bench rollout --model builtin:smollm2-135m --json bench/rollout-smollm2.json
 	$(BIN)/specrl bench sync --json bench/sync.json
 
 # mypy runs on the modules listed here (clean); issue 16 item 12 (imports resolvable from the layout) widens it
