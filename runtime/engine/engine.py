@@ -417,8 +417,8 @@ class RolloutEngine:
                              f"{sorted(self.proposers)}")
         # No row drafts past its budget (max_new_tokens, max_model_len): a step emits at most budget tokens, so
         # gamma = budget - 1 is enough, and a batch whose rows all end within one token decodes plainly.
-        cap = max(min(s.params.max_new_tokens - s.generated, self.max_model_len - len(s.tokens)) for s in active) - 1
-        gamma = min(int(decision.gamma), self.max_gamma, cap)
+        caps = [min(s.params.max_new_tokens - s.generated, self.max_model_len - len(s.tokens)) - 1 for s in active]
+        gamma = min(int(decision.gamma), self.max_gamma, max(caps))
         if gamma < 1:
             return self._ar_step(active, Decision(None, 0))
         b = len(active)
@@ -426,6 +426,9 @@ class RolloutEngine:
         u = self._uniforms(active, 2 * gamma + 1)
         ctx = DraftContext(tokens=[s.tokens for s in active], sampling=st, uniforms=u[:, :gamma])
         prop = proposer.propose(ctx, gamma)
+        if min(caps) < gamma:  # rows near their end verify only what they can still emit (ragged, still exact)
+            limit = torch.tensor(caps, dtype=torch.int64, device=self.device).clamp(0, gamma)
+            prop.lens = limit if prop.lens is None else torch.minimum(prop.lens, limit)
         # No device sync for timing: the step's one host transfer below bounds its total time; on an accelerator
         # the draft/target split is then approximate (kernels still queued count as target time).
         t1 = time.perf_counter()

@@ -343,6 +343,13 @@ def test_draft_length_is_capped_at_each_rows_budget(target, draft) -> None:
     # the prefill emits token 1; then at most 3 more: gamma <= 2 on the first step, and never past the budget
     assert all(r.gamma <= 2 for r in engine.stats.steps if r.method)
     assert engine.stats.draft_tokens <= 3
+    # in a batch, the step's γ follows the longest budget and each row drafts at most its own
+    engine.stats.reset()
+    outs = engine.generate([[1, 2, 3], [4, 5]], [SamplingParams(temperature=1.0, max_new_tokens=n, seed=n)
+                                                 for n in (3, 12)])
+    assert [len(o.token_ids) for o in outs] == [3, 12]
+    first = next(r for r in engine.stats.steps if r.method)
+    assert first.gamma == 6 and first.draft_tokens <= 6 + 1
 
 
 @pytest.mark.skipif(not __import__("specrl.runtime.engine.model_runner", fromlist=["native_bf16"]).native_bf16(),
