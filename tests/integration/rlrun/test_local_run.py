@@ -3,7 +3,7 @@ the plots report (the held-out comparison with its interval and test, the long t
 
 The numbers themselves (a gain, a speedup) belong to `make run` and the README, not to a timed test: here the
 micro policy learns nothing in three steps, and the test checks that every measurement is made and consistent.
-About 5 min at the load average of ~14 measured here (2 shared cores); far less on an idle machine.
+About 1 min at the load average of ~14 measured here (2 shared cores).
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
     policy, _draft = micro
     _job, settings = load_settings(str(REPO / "examples" / "tiny-local.yaml"), steps=3)
     assert settings.method == "ngram" and settings.dataset_size >= 1000  # the job the README describes
+    # Fixed speculation: the adaptive toggle may rightly keep the micro policy on plain decoding, and the
+    # acceptance figures need speculative steps to report.
     settings = settings.replace(model=str(policy), prompts_per_step=4, group_size=4, max_new_tokens=24, eval_size=8,
-                                eval_every=0)
+                                eval_every=0, adaptive=False)
     summary = run_job(settings, tmp_path, progress=False)
 
     on_disk = json.loads((tmp_path / "summary.json").read_text())
