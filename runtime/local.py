@@ -353,8 +353,8 @@ def story_lines(summary: dict[str, Any]) -> list[str]:
 class Display:
     """A rich progress bar and a live table of steps; plain log lines with --no-progress."""
 
-    COLUMNS = ("step", "reward", "acc", "eval", "len med/p95/max", "tok/s", "accept", "SD on", "rollout s",
-               "tail s", "train s", "step s")
+    # fits an 80-column terminal: lengths as median/p95/max, seconds of the rollout phase, training, whole step
+    COLUMNS = ("step", "reward", "acc", "eval", "len", "accept", "SD on", "roll s", "train s", "step s")
 
     def __init__(self, settings, enabled: bool = True) -> None:
         self.settings = settings
@@ -386,12 +386,15 @@ class Display:
             self.live.__exit__(*exc)
 
     def _render(self):
+        from rich import box
         from rich.console import Group
         from rich.table import Table
 
-        table = Table(title=f"specrl run {self.settings.job} ({self.settings.mode}, {self.settings.method})")
+        table = Table(title=f"specrl run {self.settings.job} ({self.settings.mode}, {self.settings.method}); "
+                            "len = response tokens median/p95/max", box=box.SIMPLE_HEAD, pad_edge=False,
+                      collapse_padding=True)
         for c in self.COLUMNS:
-            table.add_column(c, justify="right")
+            table.add_column(c, justify="right", no_wrap=True, min_width=len(c))
         for row in self.rows[-15:]:
             table.add_row(*row)
         st = self.status
@@ -415,10 +418,9 @@ class Display:
         lp = length_profile(rec["response_lengths"])
         row = (str(rec["step"]), f"{rec['reward_mean']:.3f}", f"{rec['accuracy']:.3f}",
                "-" if ev is None else f"{ev:.3f}", f"{lp['median']:.0f}/{lp['p95']:.0f}/{lp['max']:.0f}",
-               f"{rec['tokens_per_s']:.0f}", "-" if acc is None else f"{acc:.2f}",
+               "-" if acc is None else f"{acc:.2f}",
                "-" if rec["sd_share"] is None else f"{100 * rec['sd_share']:.0f}%",
-               f"{rec['rollout_seconds']:.1f}", f"{rec['long_tail_seconds']:.1f}", f"{rec['train_seconds']:.1f}",
-               f"{rec['step_seconds']:.1f}")
+               f"{rec['rollout_seconds']:.1f}", f"{rec['train_seconds']:.1f}", f"{rec['step_seconds']:.1f}")
         self.rows.append(row)
         if self.progress is not None:
             self.progress.update(self.task, advance=1)
@@ -428,6 +430,7 @@ class Display:
 
     def story(self, summary: dict) -> None:
         """The run's findings after the table (plain lines: they stay in a terminal's scrollback and in logs)."""
+        print(flush=True)
         for line in story_lines(summary):
             print(f"[specrl] {line}", flush=True)
 
