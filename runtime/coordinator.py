@@ -854,11 +854,12 @@ class JobCoordinator:
 
     # ------------------------------------------------------------------ measurements
 
-    def evaluate(self, use_sd: bool = True, split: str = "heldout") -> dict:
+    def evaluate(self, use_sd: bool = True, split: str = "heldout", samples: int = 0) -> dict:
+        """Greedy (`samples` 0) or `samples` seeded samples per problem at the job's temperature."""
         import ray
 
         name = self._schedulable()[0]
-        return ray.get(self.rollouts[name].evaluate.remote(None, use_sd, split))
+        return ray.get(self.rollouts[name].evaluate.remote(None, use_sd, split, samples))
 
     def compare_rollout(self, step: int | None = None) -> dict:
         """SD vs plain decoding on one worker for a full step batch, same weights and seeds, back to back."""

@@ -29,6 +29,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+# samples per held-out problem in the before/after evaluation at the job's temperature (x spec eval_size problems)
+HELDOUT_SAMPLES = 2
+
+
 class JobError(Exception):
     """A problem with the job the user can fix; printed as one line, never a traceback."""
 
@@ -90,15 +94,8 @@ def main(args: argparse.Namespace) -> int:
     except JobError as exc:
         print(f"specrl run: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({k: summary[k] for k in SUMMARY_HEADLINE if k in summary}, indent=1))
-    print(f"wrote {out_dir}/summary.json, metrics.jsonl and plots")
+    print(f"wrote {out_dir}/summary.json, metrics.jsonl and plots (overview.png first)")
     return 0 if summary.get("prompts_lost", 0) == 0 else 1
-
-
-SUMMARY_HEADLINE = ("steps", "accuracy_start", "accuracy_end", "trained_accuracy_start",
-                    "trained_accuracy_end", "reward_start", "reward_end", "acceptance_length",
-                    "rollout_tokens_per_s", "sd_rollout_speedup", "greedy_sd_equals_ar", "weight_sync_seconds",
-                    "prompts_lost", "wall_seconds")
 
 
 def build_models(settings, progress: bool) -> None:
@@ -160,8 +157,13 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
         ray.get(coord.start.remote())
         url = ray.get(coord.get_url.remote())
         display.note(f"coordinator API {url}")
+        if measure:
+            display.note(f"held-out evaluation before training ({settings.eval_size} problems x {HELDOUT_SAMPLES} "
+                         f"samples at T={settings.temperature:g}, and greedy)")
+        # Plain decoding for the sampled evaluations: a sample's random stream then depends on its seed alone (the
+        # adaptive toggle's choices change how speculative steps consume it), so before/after samples are paired.
+        heldout_start = ray.get(coord.evaluate.remote(False, "heldout", HELDOUT_SAMPLES)) if measure else None
         eval_start = ray.get(coord.evaluate.remote(True)) if measure else None
-        trained_start = ray.get(coord.evaluate.remote(True, "trained")) if measure else None
         first_step = ray.get(coord.status.remote())["step"]
         with display, metrics_path.open("w") as mf:
             for step in range(first_step, settings.steps):
@@ -180,17 +182,19 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
         ray.get(coord.finish.remote())
         measures: dict[str, Any] = {}
         if measure:
-            display.note("final evaluation (greedy, SD on and off) and SD-vs-AR rollout comparison")
+            display.note("final evaluation (held-out sampled; greedy with SD on and off) and SD-vs-AR rollout "
+                         "comparison")
+            heldout_end = ray.get(coord.evaluate.remote(False, "heldout", HELDOUT_SAMPLES))
             eval_sd = ray.get(coord.evaluate.remote(True))
             eval_ar = ray.get(coord.evaluate.remote(False))
-            trained_end = ray.get(coord.evaluate.remote(True, "trained"))
             cmp = ray.get(coord.compare_rollout.remote())
-            measures = {"eval_start": eval_start, "eval_sd": eval_sd, "eval_ar": eval_ar, "compare": cmp,
-                        "trained_start": trained_start, "trained_end": trained_end}
+            measures = {"heldout_start": heldout_start, "heldout_end": heldout_end, "eval_start": eval_start,
+                        "eval_sd": eval_sd, "eval_ar": eval_ar, "compare": cmp}
         ledger = ray.get(coord.ledger_report.remote())
         summary = summarize(settings, records, measures, ledger, time.perf_counter() - t_start)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-        write_plots(records, out_dir, summary)
+        write_plots(records, out_dir, summary, measures.get("compare"))
+        display.story(summary)
     finally:
         try:
             ray.get(coord.shutdown.remote(), timeout=30)
@@ -206,11 +210,14 @@ def _mean(xs: list[float]) -> float:
 
 def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall: float) -> dict[str, Any]:
     from specrl.runtime.coordinator import acceptance_length
+    from specrl.runtime.rl.significance import length_profile, paired_comparison
 
     acc_last = next((r["acceptance_length"] for r in reversed(records) if r["acceptance_length"] is not None), None)
     rollout_s = sum(r["rollout_seconds"] for r in records)
+    step_s = sum(r["step_seconds"] for r in records)
     tokens = sum(r["tokens"] for r in records)
     syncs = [r["sync_seconds"] for r in records if r["sync_bytes"]]
+    per_step = [length_profile(r["response_lengths"]) for r in records]
     summary: dict[str, Any] = {
         "job": settings.job,
         "steps": len(records),
@@ -219,13 +226,26 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
         "drafter_training": settings.drafter_training,
         "reward_start": records[0]["reward_mean"] if records else None,
         "reward_end": records[-1]["reward_mean"] if records else None,
+        "reward_per_step": [r["reward_mean"] for r in records],
         "rollout_accuracy_start": records[0]["accuracy"] if records else None,
         "rollout_accuracy_end": records[-1]["accuracy"] if records else None,
         "acceptance_length": acc_last,
         "acceptance_length_per_step": [r["acceptance_length"] for r in records],
+        "sd_share_per_step": [r["sd_share"] for r in records],
         "eval_accuracy_per_step": {r["step"]: r["eval_accuracy"] for r in records
                                    if r.get("eval_accuracy") is not None},
+        # the long tail: every rollout of the run, and each step's own profile
+        "response_length": length_profile([n for r in records for n in r["response_lengths"]]),
+        "response_length_median_per_step": [p["median"] for p in per_step],
+        "response_length_p95_per_step": [p["p95"] for p in per_step],
+        "response_length_max_per_step": [p["max"] for p in per_step],
         "rollout_tokens_per_s": tokens / rollout_s if rollout_s > 0 else 0.0,
+        # where the time goes: the rollout phase's share of the whole step (training, sync and evaluation are
+        # the rest; held-out evaluations every evalEvery steps are not part of a step)
+        "rollout_share": rollout_s / step_s if step_s > 0 else 0.0,
+        "step_seconds_median": statistics.median(r["step_seconds"] for r in records) if records else 0.0,
+        "rollout_seconds_median": statistics.median(r["rollout_seconds"] for r in records) if records else 0.0,
+        "train_seconds_median": statistics.median(r["train_seconds"] for r in records) if records else 0.0,
         "weight_sync_seconds": statistics.median(syncs) if syncs else 0.0,
         "weight_sync_bytes": records[-1]["sync_bytes"] if records else 0,
         "long_tail_seconds": sum(r["long_tail_seconds"] for r in records),
@@ -237,33 +257,94 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
         "reward_errors": records[-1]["reward_errors"] if records else 0,
         "wall_seconds": wall,
     }
+    h0, h1 = measures.get("heldout_start"), measures.get("heldout_end")
+    if h0 and h1:
+        cmp_h = paired_comparison(h0["correct"], h1["correct"])
+        summary["heldout"] = {
+            **cmp_h, "problems": h1["problems"], "samples_per_problem": h1["samples_per_problem"],
+            "temperature": h1["temperature"],
+            "measurement": (f"held-out problems (never trained on), {h1['samples_per_problem']} samples each at the "
+                            f"job's temperature {h1['temperature']:g}, with per-sample seeds fixed by (job seed, "
+                            "problem, sample), before the first and after the last step; 95% Wilson intervals, "
+                            "a normal interval on the paired difference and McNemar's exact test"),
+        }
+        summary["accuracy_start"], summary["accuracy_end"] = cmp_h["before"], cmp_h["after"]
+        summary["accuracy_ci_start"], summary["accuracy_ci_end"] = cmp_h["before_ci"], cmp_h["after_ci"]
+        summary["accuracy_gain"], summary["accuracy_gain_ci"] = cmp_h["difference"], cmp_h["difference_ci"]
+        summary["accuracy_p_value"] = cmp_h["p_value"]
+        summary["eval_samples"] = cmp_h["n"]
     ev0, ev_sd, ev_ar, cmp = (measures.get(k) for k in ("eval_start", "eval_sd", "eval_ar", "compare"))
     if ev0:
-        summary["accuracy_start"] = ev0["accuracy"]
+        summary["greedy_accuracy_start"] = ev0["accuracy"]
     if ev_sd:
-        summary["accuracy_end"] = ev_sd["accuracy"]
+        summary["greedy_accuracy_end"] = ev_sd["accuracy"]
         summary["eval_problems"] = len(ev_sd["tokens"])
-    for key in ("trained_start", "trained_end"):
-        if measures.get(key):
-            summary[f"trained_accuracy_{key.removeprefix('trained_')}"] = measures[key]["accuracy"]
     if ev_sd and ev_ar:
         summary["greedy_sd_equals_ar"] = ev_sd["tokens"] == ev_ar["tokens"]
         summary["eval_sd_seconds"] = ev_sd["seconds"]
         summary["eval_ar_seconds"] = ev_ar["seconds"]
     if cmp:
-        summary["sd_rollout_speedup"] = cmp["speedup_median"]
+        speedup = cmp["speedup_median"]
+        summary["sd_rollout_speedup"] = speedup
         summary["sd_rollout_speedups"] = cmp["speedups"]
         summary["sd_rollout_seconds"] = cmp["sd_seconds"]
         summary["ar_rollout_seconds"] = cmp["ar_seconds"]
         summary["sd_rollout_acceptance_length"] = acceptance_length(cmp["sd_stats"])
+        if cmp.get("response_lengths"):
+            summary["sd_rollout_response_length"] = length_profile(cmp["response_lengths"])
         summary["sd_rollout_measurement"] = (
             f"one full step batch (promptsPerStep x groupSize) at the job's temperature on one rollout worker, "
             f"speculative vs plain decoding on the final weights with the same per-sample seeds, {cmp['repeats']} "
             "pairs in alternating order; median of the per-pair AR/SD wall-time ratios of generate()")
+        if records and speedup and speedup > 0:
+            # Same steps with the rollout phase at plain-decoding speed: measured train/sync/tail-overlap time plus
+            # each step's rollout time scaled by the side-by-side ratio (a projection, not a second run).
+            off = [r["step_seconds"] + r["rollout_seconds"] * (speedup - 1) for r in records]
+            summary["step_seconds_sd_on"] = summary["step_seconds_median"]
+            summary["step_seconds_sd_off_projected"] = statistics.median(off)
+            summary["step_speedup_projected"] = statistics.median(off) / summary["step_seconds_median"]
     if "accuracy_start" not in summary:
         summary["accuracy_start"] = summary["rollout_accuracy_start"]
         summary["accuracy_end"] = summary["rollout_accuracy_end"]
     return summary
+
+
+def story_lines(summary: dict[str, Any]) -> list[str]:
+    """What the run showed, in a few lines: held-out gain, the long tail, speculation's effect, the time split."""
+    lines = []
+    h = summary.get("heldout")
+    if h:
+        lo, hi = h["difference_ci"]
+        lines.append(f"held-out accuracy ({h['n']} samples: {h['problems']} unseen problems x {h['samples_per_problem']}"
+                     f" at T={h['temperature']:g}): {h['before']:.3f} [{h['before_ci'][0]:.3f}, {h['before_ci'][1]:.3f}]"
+                     f" -> {h['after']:.3f} [{h['after_ci'][0]:.3f}, {h['after_ci'][1]:.3f}]; "
+                     f"gain {h['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}], McNemar p={h['p_value']:.2g}")
+    if summary.get("reward_start") is not None:
+        lines.append(f"reward (rollouts, mean of first/last 5 steps): {_mean(summary['reward_per_step'][:5]):.3f} -> "
+                     f"{_mean(summary['reward_per_step'][-5:]):.3f}")
+    rl = summary.get("response_length")
+    if rl and rl["max"]:
+        lines.append(f"response lengths (tokens, all rollouts): median {rl['median']:.0f}, p95 {rl['p95']:.0f}, "
+                     f"max {rl['max']:.0f}  (p95 = {rl['tail_ratio']:.1f}x the median: the long tail)")
+    if "sd_rollout_speedup" in summary:
+        acc = summary.get("sd_rollout_acceptance_length")
+        lines.append(f"rollout phase, speculative vs plain decoding (same weights and seeds): "
+                     f"{summary['sd_rollout_speedup']:.2f}x  ({summary['sd_rollout_seconds']:.2f} s vs "
+                     f"{summary['ar_rollout_seconds']:.2f} s"
+                     + (f", acceptance length {acc:.2f}" if acc else "") + ")")
+    if summary.get("steps"):
+        line = f"rollout share of the step: {100 * summary['rollout_share']:.0f}%"
+        if "step_seconds_sd_off_projected" in summary:
+            line += (f"; step time {summary['step_seconds_sd_on']:.2f} s with speculation, "
+                     f"{summary['step_seconds_sd_off_projected']:.2f} s without (projected: "
+                     f"{summary['step_speedup_projected']:.2f}x)")
+        lines.append(line)
+    if "greedy_sd_equals_ar" in summary:
+        lines.append(f"greedy held-out outputs token-identical with speculation on and off: "
+                     f"{'yes' if summary['greedy_sd_equals_ar'] else 'NO'}; greedy accuracy "
+                     f"{summary.get('greedy_accuracy_start', float('nan')):.3f} -> "
+                     f"{summary.get('greedy_accuracy_end', float('nan')):.3f}")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------- display
@@ -272,7 +353,8 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
 class Display:
     """A rich progress bar and a live table of steps; plain log lines with --no-progress."""
 
-    COLUMNS = ("step", "reward", "acc", "eval", "tok/s", "accept", "SD on", "tail s", "sync s", "step s")
+    # fits an 80-column terminal: lengths as median/p95/max, seconds of the rollout phase, training, whole step
+    COLUMNS = ("step", "reward", "acc", "eval", "len", "accept", "SD on", "roll s", "train s", "step s")
 
     def __init__(self, settings, enabled: bool = True) -> None:
         self.settings = settings
@@ -304,12 +386,15 @@ class Display:
             self.live.__exit__(*exc)
 
     def _render(self):
+        from rich import box
         from rich.console import Group
         from rich.table import Table
 
-        table = Table(title=f"specrl run {self.settings.job} ({self.settings.mode}, {self.settings.method})")
+        table = Table(title=f"specrl run {self.settings.job} ({self.settings.mode}, {self.settings.method}); "
+                            "len = response tokens median/p95/max", box=box.SIMPLE_HEAD, pad_edge=False,
+                      collapse_padding=True)
         for c in self.COLUMNS:
-            table.add_column(c, justify="right")
+            table.add_column(c, justify="right", no_wrap=True, min_width=len(c))
         for row in self.rows[-15:]:
             table.add_row(*row)
         st = self.status
@@ -326,13 +411,16 @@ class Display:
             self.live.update(self._render())
 
     def add_step(self, rec: dict) -> None:
+        from specrl.runtime.rl.significance import length_profile
+
         acc = rec["acceptance_length"]
         ev = rec.get("eval_accuracy")
+        lp = length_profile(rec["response_lengths"])
         row = (str(rec["step"]), f"{rec['reward_mean']:.3f}", f"{rec['accuracy']:.3f}",
-               "-" if ev is None else f"{ev:.3f}", f"{rec['tokens_per_s']:.0f}",
+               "-" if ev is None else f"{ev:.3f}", f"{lp['median']:.0f}/{lp['p95']:.0f}/{lp['max']:.0f}",
                "-" if acc is None else f"{acc:.2f}",
                "-" if rec["sd_share"] is None else f"{100 * rec['sd_share']:.0f}%",
-               f"{rec['long_tail_seconds']:.1f}", f"{rec['sync_seconds']:.3f}", f"{rec['step_seconds']:.1f}")
+               f"{rec['rollout_seconds']:.1f}", f"{rec['train_seconds']:.1f}", f"{rec['step_seconds']:.1f}")
         self.rows.append(row)
         if self.progress is not None:
             self.progress.update(self.task, advance=1)
@@ -340,11 +428,19 @@ class Display:
         else:
             print("[specrl] " + "  ".join(f"{c}={v}" for c, v in zip(self.COLUMNS, row)), flush=True)
 
+    def story(self, summary: dict) -> None:
+        """The run's findings after the table (plain lines: they stay in a terminal's scrollback and in logs)."""
+        print(flush=True)
+        for line in story_lines(summary):
+            print(f"[specrl] {line}", flush=True)
+
 
 # ---------------------------------------------------------------------------------------------- plots
 
 
-def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None) -> list[Path]:
+def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None,
+                compare: dict | None = None) -> list[Path]:
+    """`overview.png` (every panel, the run at a glance) and one PNG per panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,58 +448,136 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None)
 
     if not records:
         return []
-    steps = [r["step"] for r in records]
-    paths = []
+    summary = summary or {}
+    panels = [("reward_accuracy", _plot_reward), ("response_lengths", _plot_lengths),
+              ("acceptance", _plot_acceptance), ("time_breakdown", _plot_time)]
+    if compare and compare.get("sd_trace"):
+        panels.insert(2, ("decode_timeline", _plot_timeline))
+    fig, axes = plt.subplots(2, 3, figsize=(18, 9))
+    flat = list(axes.flat)
+    for ax, (_name, fn) in zip(flat, panels):
+        fn(ax, records, summary, compare)
+    for ax in flat[len(panels):]:
+        ax.axis("off")
+        ax.text(0.0, 1.0, "\n".join(_wrap(line) for line in story_lines(summary)), va="top", fontsize=9,
+                family="monospace", transform=ax.transAxes)
+    fig.suptitle(f"specrl run {summary.get('job', '')}: {len(records)} GRPO steps, speculation "
+                 f"{summary.get('method', '')}", fontsize=13)
+    paths = [_save(fig, out_dir / "overview.png")]
+    for name, fn in panels:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fn(ax, records, summary, compare)
+        paths.append(_save(fig, out_dir / f"{name}.png"))
+    return paths
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, [r["reward_mean"] for r in records], marker="o", label="reward (mean)")
-    ax.plot(steps, [r["accuracy"] for r in records], marker="s", label="accuracy (rollouts)")
-    if summary and summary.get("eval_problems"):
-        ax.plot([steps[0], steps[-1]], [summary["accuracy_start"], summary["accuracy_end"]], "k--", marker="D",
-                label=f"greedy eval ({summary['eval_problems']} held-out), before/after")
+
+def _wrap(line: str, width: int = 70) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent="  "))
+
+
+def _plot_reward(ax, records: list[dict], summary: dict, _compare: dict | None) -> None:
+    steps = [r["step"] for r in records]
+    rewards = [r["reward_mean"] for r in records]
+    ax.plot(steps, rewards, ".", color="tab:blue", alpha=0.4, label="reward per step (rollouts)")
+    k = max(1, len(rewards) // 8)
+    smooth = [_mean(rewards[max(0, i - k + 1):i + 1]) for i in range(len(rewards))]
+    ax.plot(steps, smooth, "-", color="tab:blue", label=f"reward, mean of the last {k} steps")
+    h = summary.get("heldout")
+    if h:
+        xs = [steps[0] - 0.5, steps[-1] + 0.5]
+        ys = [h["before"], h["after"]]
+        err = [[y - ci[0] for y, ci in zip(ys, (h["before_ci"], h["after_ci"]))],
+               [ci[1] - y for y, ci in zip(ys, (h["before_ci"], h["after_ci"]))]]
+        ax.errorbar(xs, ys, yerr=err, fmt="D--", color="k", capsize=5,
+                    label=f"held-out accuracy, {h['n']} samples (95% CI); p={h['p_value']:.1g}")
     evals = [(r["step"], r["eval_accuracy"]) for r in records if r.get("eval_accuracy") is not None]
     if evals:
-        ax.plot(*zip(*evals), "k:", marker="x", label="greedy eval, held-out (every evalEvery steps)")
-    if summary and summary.get("trained_accuracy_end") is not None:
-        ax.plot([steps[0], steps[-1]], [summary["trained_accuracy_start"], summary["trained_accuracy_end"]], ":",
-                color="tab:green", marker="D", label="greedy eval (problems it trains on), before/after")
+        ax.plot(*zip(*evals), "k:", marker="x", label="greedy held-out (every evalEvery steps)")
     ax.set_xlabel("RL step")
-    ax.set_ylim(-0.05, 1.05)
-    ax.legend(loc="upper left", fontsize="small")  # accuracies of a small policy stay in the lower half
-    ax.set_title("Reward and accuracy per step")
-    paths.append(_save(fig, out_dir / "reward_accuracy.png"))
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(loc="upper left", fontsize="small")
+    ax.set_title("Reward per step; held-out accuracy before and after")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    lengths = [n for r in records for n in r["response_lengths"]]
-    ax.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="tab:purple")
-    ax.set_xlabel("response length (tokens)")
-    ax.set_ylabel("sequences")
-    ax.set_title("Response-length distribution (all steps)")
-    paths.append(_save(fig, out_dir / "response_lengths.png"))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(steps, [r["acceptance_length"] if r["acceptance_length"] is not None else float("nan") for r in records],
-            marker="o")
+def _plot_lengths(ax, records: list[dict], _summary: dict, _compare: dict | None) -> None:
+    from specrl.runtime.rl.significance import length_profile
+
+    steps = [r["step"] for r in records]
+    prof = [length_profile(r["response_lengths"]) for r in records]
+    for key, style in (("max", "tab:red"), ("p95", "tab:orange"), ("median", "tab:green")):
+        ax.plot(steps, [p[key] for p in prof], marker=".", color=style, label=key)
     ax.set_xlabel("RL step")
-    ax.set_ylabel("acceptance length (tokens per draft)")
+    ax.set_ylabel("response length (tokens)")
+    ax.set_yscale("log")
+    ax.legend(loc="upper left", fontsize="small")
+    ax.set_title("The long tail: response lengths per step")
+
+
+def _plot_timeline(ax, _records: list[dict], summary: dict, compare: dict | None) -> None:
+    """Active batch over decode time for one step batch, speculative and plain, side by side."""
+    assert compare is not None
+    for key, label, color in (("ar_trace", "plain decoding", "tab:gray"), ("sd_trace", "speculative", "tab:blue")):
+        trace = compare[key]
+        t, xs, ys, on = 0.0, [], [], []
+        for batch, sd_on, _emitted, seconds in trace:
+            xs.append(t)
+            ys.append(batch)
+            on.append(sd_on)
+            t += seconds
+        ax.step(xs, ys, where="post", color=color, label=f"{label}: {t:.2f} s of decode steps")
+        if key == "sd_trace" and any(on):
+            ax.fill_between(xs, 0, ys, where=on, step="post", color=color, alpha=0.25,
+                            label="speculation on")
+    ax.set_xlabel("decode time within the step's rollout (s)")
+    ax.set_ylabel("active sequences")
+    ax.legend(loc="upper right", fontsize="small")
+    speedup = summary.get("sd_rollout_speedup")
+    ax.set_title("One step's rollout, SD vs plain" + (f": {speedup:.2f}x" if speedup else ""))
+
+
+def _plot_acceptance(ax, records: list[dict], _summary: dict, _compare: dict | None) -> None:
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["acceptance_length"] if r["acceptance_length"] is not None else float("nan")
+                    for r in records], marker="o", color="tab:purple", label="acceptance length")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("tokens per speculative step")
+    ax.set_ylim(bottom=0)
+    if all(r["acceptance_length"] is None for r in records):
+        ax.text(0.5, 0.5, "no speculative decode step in any step\n(the toggle kept plain decoding)",
+                ha="center", va="center", transform=ax.transAxes)
+    twin = ax.twinx()
+    twin.plot(steps, [100 * r["sd_share"] if r["sd_share"] is not None else float("nan") for r in records],
+              ":", color="tab:gray", label="decode steps speculating (%)")
+    twin.set_ylim(0, 105)
+    twin.set_ylabel("% of decode steps speculating")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [x.get_label() for x in lines], loc="lower right", fontsize="small")
     ax.set_title("Speculative acceptance per step")
-    paths.append(_save(fig, out_dir / "acceptance.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _plot_time(ax, records: list[dict], summary: dict, _compare: dict | None) -> None:
+    steps = [r["step"] for r in records]
     parts = [("rollout (excl. tail)", [r["rollout_seconds"] - r["long_tail_seconds"] for r in records]),
-             ("long tail", [r["long_tail_seconds"] for r in records]),
+             ("rollout: long tail", [r["long_tail_seconds"] for r in records]),
              ("train", [r["train_seconds"] for r in records]),
-             ("sync", [r["sync_seconds"] for r in records])]
+             ("sync + rest", [max(0.0, r["step_seconds"] - r["rollout_seconds"] - r["train_seconds"])
+                              for r in records])]
     bottom = [0.0] * len(records)
     for name, values in parts:
         ax.bar(steps, values, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
+    speedup = summary.get("sd_rollout_speedup")
+    if speedup:
+        ax.plot(steps, [r["step_seconds"] + r["rollout_seconds"] * (speedup - 1) for r in records], "k--",
+                label=f"step without speculation (rollout x{speedup:.2f}, projected)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("seconds")
-    ax.set_title("Where time went per step (drafter training overlaps the tail)")
-    ax.legend()
-    paths.append(_save(fig, out_dir / "time_breakdown.png"))
-    return paths
+    share = summary.get("rollout_share")
+    ax.set_title("Where time went per step" + (f" (rollout {100 * share:.0f}%)" if share else ""))
+    ax.legend(loc="upper left", fontsize="small")
 
 
 def _save(fig, path: Path) -> Path:

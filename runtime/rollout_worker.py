@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
 from dataclasses import asdict
 from typing import Any
 
@@ -44,17 +45,42 @@ def stats_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, 
 
 def load_problem_split(settings: RunSettings) -> tuple[list, list]:
     """(training problems, held-out evaluation problems) for the job's dataset."""
-    from specrl.runtime.rl.task import BUILTIN_TASK, SyntheticTask, load_jsonl
+    from specrl.runtime.rl.task import BUILTIN_TASK, load_jsonl
 
     if settings.dataset in (BUILTIN_TASK, "builtin", "arithmetic"):
-        # Evaluation problems come from a different seed so they never appear in training.
-        train = list(SyntheticTask(settings.dataset_size, settings.difficulty, settings.seed))
-        evals = list(SyntheticTask(settings.eval_size, settings.difficulty, settings.seed + 10_000))
+        # Short expressions recur across seeds, so a second seed alone does not hold problems out: a hash of the
+        # prompt puts every expression on one side only, and held-out prompts are distinct.
+        def held_out(p) -> bool:
+            return zlib.crc32(p.prompt.encode()) % HELDOUT_BUCKETS == 0
+
+        train = _synthetic(settings, settings.seed, settings.dataset_size, lambda p: not held_out(p))
+        evals = _synthetic(settings, settings.seed + 10_000, settings.eval_size, held_out, distinct=True)
         return train, evals
     problems = load_jsonl(settings.dataset, prompt_field=settings.prompt_field,
                           answer_field=settings.answer_field).problems
     n_eval = min(settings.eval_size, max(1, len(problems) // 10))
     return problems[: len(problems) - n_eval] or problems, problems[len(problems) - n_eval:]
+
+
+HELDOUT_BUCKETS = 8  # one expression in 8 is reserved for evaluation
+
+
+def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = False) -> list:
+    """The first `n` problems of the seeded synthetic task that `keep` accepts (and, if `distinct`, whose
+    prompt did not come earlier)."""
+    from specrl.runtime.rl.task import SyntheticTask
+
+    size = n + n // 4 + 16
+    while True:
+        seen: set[str] = set()
+        out = []
+        for p in SyntheticTask(size, settings.difficulty, seed):
+            if keep(p) and not (distinct and p.prompt in seen):
+                seen.add(p.prompt)
+                out.append(p)
+        if len(out) >= n or size > 256 * max(1, n):
+            return out[:n]
+        size *= 2
 
 
 class RolloutWorker:
@@ -274,11 +300,14 @@ class RolloutWorker:
                 "stats": delta, "weight_version": version, "reward_errors": self.reward.errors}
 
     def evaluate(self, indices: list[int] | None = None, use_sd: bool = True,
-                 split: str = "heldout") -> dict[str, Any]:
-        """Greedy decode of evaluation problems: accuracy, the token trajectories, time.
+                 split: str = "heldout", samples: int = 0) -> dict[str, Any]:
+        """Decode evaluation problems: accuracy, per-output correctness and tokens, time.
 
         `split` "heldout": problems the job never trains on; "trained": the first `eval_size` problems of the
         job's own dataset (what the RL updates see), to tell learning the task from learning the problems.
+        `samples` 0: one greedy decode per problem. `samples` k > 0: k samples per problem at the job's
+        temperature, each with a seed fixed by (job seed, problem, k) — never by the weights — so an evaluation
+        before and one after training draw paired samples (see `specrl.runtime.rl.significance`).
         """
         from specrl.runtime.rl.task import is_correct, prompt_token_ids
 
@@ -287,28 +316,47 @@ class RolloutWorker:
             raise ValueError(f"split: must be 'heldout' or 'trained', got {split!r}")
         pool = self.eval_problems if split == "heldout" else self.problems[: len(self.eval_problems)]
         problems = pool if indices is None else [pool[i] for i in indices]
+        repeat = max(1, samples)
+        problems = [p for p in problems for _ in range(repeat)]
         prompts = [prompt_token_ids(p, self.tokenizer) for p in problems]
+        params = (self._params(self.settings.seed, greedy=True) if samples <= 0 else
+                  [self._params(sample_seed(self.settings.seed, -1, f"eval-{split}-{p.id}", i % repeat))
+                   for i, p in enumerate(problems)])
         engine = self._engine(use_sd)
         before = stats_snapshot(engine.stats)
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, self._params(self.settings.seed, greedy=True))
+        outs = engine.generate(prompts, params)
         seconds = time.perf_counter() - t0
         delta = stats_delta(stats_snapshot(engine.stats), before)
         tokens = [[int(t) for t in o.token_ids] for o in outs]
         correct = [is_correct(self.tokenizer.decode(t), p.answer) for t, p in zip(tokens, problems)]
-        return {"accuracy": sum(correct) / max(1, len(correct)), "tokens": tokens, "seconds": seconds,
-                "generated": sum(len(t) for t in tokens), "stats": delta, "weight_version": self.weight_version}
+        return {"accuracy": sum(correct) / max(1, len(correct)), "correct": correct, "tokens": tokens,
+                "seconds": seconds, "generated": sum(len(t) for t in tokens), "stats": delta,
+                "weight_version": self.weight_version, "problems": len(problems) // repeat,
+                "samples_per_problem": repeat, "temperature": 0.0 if samples <= 0 else self.settings.temperature}
 
     def compare_rollout(self, items: list[tuple[str, int]], step: int, repeats: int = 3) -> dict[str, Any]:
         """The same prompts with SD on and with plain decoding, same weights and per-sample seeds, alternating
-        which goes first; `repeats` pairs, so the median ratio resists load spikes from other processes."""
+        which goes first; `repeats` pairs, so the median ratio resists load spikes from other processes.
+
+        `sd_trace`/`ar_trace`: the decode steps of the last pair, one `[active batch, SD on, tokens emitted,
+        seconds]` each, in order: where in the step the batch shrinks (the long tail) and where speculation ran.
+        """
+        import statistics
+
         sd_t, ar_t, ratios = [], [], []
         sd = ar = None
+        traces: dict[bool, list[list]] = {}
         for r in range(max(1, repeats)):
             order = (True, False) if r % 2 == 0 else (False, True)
             times = {}
             for use_sd in order:
+                engine = self._engine(use_sd)
+                steps = getattr(engine.stats, "steps", None) or []  # the native engine's per-decode-step records
+                last = steps[-1].step if steps else -1
                 out = self.generate(items, step, use_sd=use_sd)
+                traces[use_sd] = [[rec.batch_size, rec.method is not None, rec.emitted_tokens, rec.seconds]
+                                  for rec in getattr(engine.stats, "steps", None) or [] if rec.step > last]
                 times[use_sd] = out["seconds"]
                 if use_sd:
                     sd = out
@@ -318,11 +366,11 @@ class RolloutWorker:
             ar_t.append(times[False])
             ratios.append(times[False] / times[True] if times[True] > 0 else float("nan"))
         assert sd is not None and ar is not None
-        import statistics
-
         return {"sd_seconds": statistics.median(sd_t), "ar_seconds": statistics.median(ar_t),
                 "speedup_median": statistics.median(ratios), "speedups": ratios, "sd_tokens": sd["tokens"],
-                "ar_tokens": ar["tokens"], "sd_stats": sd["stats"], "repeats": len(ratios)}
+                "ar_tokens": ar["tokens"], "sd_stats": sd["stats"], "repeats": len(ratios),
+                "sd_trace": traces[True], "ar_trace": traces[False],
+                "response_lengths": [len(x["response_ids"]) for x in sd["samples"]]}
 
     def train_drafter(self, state: dict[str, Any], sequences: list[list[int]], prompt_lens: list[int],
                       max_steps: int, deadline_s: float) -> dict[str, Any]:

@@ -95,15 +95,15 @@ BUILTIN_RECIPES: dict[str, Recipe] = {
     for r in (
         # Small batches and many steps: what this policy must learn first is to copy operands from the prompt
         # (an induction-style circuit that appears after enough optimizer steps, not enough tokens), and at a
-        # fixed CPU budget a narrower model gets ~2x the steps. No hard problems in the warm-up: their long
-        # solutions would take ~40% of the tokens while the policy solves none of them. It lands at ~30% greedy
-        # (~23% at T=1) on the default mix: enough reward for GRPO, room for RL to improve.
+        # fixed CPU budget a narrower model gets ~2x the steps. A fifth of the warm-up is hard problems: the
+        # policy must write their long worked solutions (the rollouts' long tail), even where it gets the
+        # arithmetic wrong, and it must keep writing them at temperature 1, where RL has room to sharpen it.
         Recipe(
             name="tiny",
-            description="local-run policy: ~0.9M params, short SFT warm-up (solves ~30% of the default mix)",
-            hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4,
-            difficulty=(("easy", 0.7), ("medium", 0.3)),
-            steps=1500, batch_tokens=1024, lr=3e-3, warmup_steps=60,
+            description="local-run policy: ~0.9M params, short SFT warm-up on the worked solutions of all sizes",
+            hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, max_position_embeddings=256,
+            difficulty=(("easy", 0.8), ("medium", 0.1), ("hard", 0.1)),
+            steps=1800, batch_tokens=1024, lr=3e-3, warmup_steps=60,
         ),
         Recipe(
             name="tiny-draft",

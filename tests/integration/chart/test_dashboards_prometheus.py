@@ -131,7 +131,9 @@ def micro_job(path: Path, steps: int) -> Path:
     job = yaml.safe_load((REPO / "examples" / "tiny-local.yaml").read_text())
     job["metadata"] = {"name": "chart-e2e", "namespace": "localhost"}
     job["spec"]["model"]["name"] = str(policy)
-    job["spec"]["speculative"]["draftModel"] = str(draft)
+    # A draft model and drafter training (the example speculates with n-gram): the drafter panels need data too.
+    job["spec"]["speculative"].update(method="draft_model", draftModel=str(draft), numSpeculativeTokens=4,
+                                      drafterTraining={"enabled": True, "learningRate": 1.0e-3, "interval": 1})
     # Fixed speculation: the adaptive controller may rightly keep the micro models on plain decoding for a whole
     # short run, and the acceptance panels need drafts to show anything.
     job["spec"]["speculative"]["adaptive"] = {"toggle": False, "draftLength": False, "strategy": False}

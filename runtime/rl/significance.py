@@ -1,0 +1,70 @@
+"""Is a change in held-out accuracy real? Intervals and a paired test for before/after evaluations.
+
+The job evaluates the same held-out samples (same problems, same per-sample seeds) before the first and after
+the last step, so the two outcome lists are paired: McNemar's exact test on the discordant pairs and a normal
+interval on the mean paired difference use that pairing (far tighter than comparing two independent rates).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+Z95 = 1.959963984540054
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sensible near 0 and 1, unlike the Wald interval)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def mcnemar_exact_p(gained: int, lost: int) -> float:
+    """Two-sided exact McNemar p-value: under no change, each discordant pair goes either way with probability 1/2."""
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    k = min(gained, lost)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)
+
+
+def paired_comparison(before: Sequence[bool], after: Sequence[bool], z: float = Z95) -> dict[str, float | int]:
+    """Accuracy before and after on the same samples: each with its 95% interval, the paired difference with its
+    95% interval, and McNemar's exact p-value."""
+    if len(before) != len(after):
+        raise ValueError(f"before/after: paired outcomes must have the same length, got {len(before)} and "
+                         f"{len(after)}")
+    n = len(before)
+    if n == 0:
+        raise ValueError("before/after: no outcomes to compare")
+    b, a = sum(map(bool, before)), sum(map(bool, after))
+    gained = sum(1 for x, y in zip(before, after) if y and not x)
+    lost = sum(1 for x, y in zip(before, after) if x and not y)
+    diff = (gained - lost) / n
+    # variance of the mean of per-pair differences d_i in {-1, 0, 1}
+    var = ((gained + lost) / n - diff * diff) / n
+    half = z * math.sqrt(max(0.0, var))
+    lo_b, hi_b = wilson_interval(b, n, z)
+    lo_a, hi_a = wilson_interval(a, n, z)
+    return {"n": n, "before": b / n, "before_ci": [lo_b, hi_b], "after": a / n, "after_ci": [lo_a, hi_a],
+            "difference": diff, "difference_ci": [diff - half, diff + half], "gained": gained, "lost": lost,
+            "p_value": mcnemar_exact_p(gained, lost)}
+
+
+def length_profile(lengths: Sequence[int]) -> dict[str, float]:
+    """Median, 95th percentile (nearest rank) and maximum of response lengths, and how long the tail is
+    (p95 / median)."""
+    if not lengths:
+        return {"median": 0.0, "p95": 0.0, "max": 0.0, "tail_ratio": 0.0}
+    xs = sorted(lengths)
+    n = len(xs)
+    median = float(xs[n // 2]) if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2.0
+    p95 = float(xs[min(n - 1, max(0, math.ceil(0.95 * n) - 1))])
+    return {"median": median, "p95": p95, "max": float(xs[-1]),
+            "tail_ratio": p95 / median if median > 0 else 0.0}

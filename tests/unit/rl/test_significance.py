@@ -1,0 +1,60 @@
+"""Intervals and the paired test behind the held-out before/after comparison of `specrl run`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from specrl.runtime.rl.significance import length_profile, mcnemar_exact_p, paired_comparison, wilson_interval
+
+
+def test_wilson_interval_known_values():
+    lo, hi = wilson_interval(50, 100)
+    assert lo == pytest.approx(0.4038, abs=1e-4) and hi == pytest.approx(0.5962, abs=1e-4)
+    lo, hi = wilson_interval(0, 20)  # stays inside [0, 1] where the Wald interval collapses to a point
+    assert lo == 0.0 and 0.1 < hi < 0.2
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_mcnemar_exact_matches_the_binomial_tail():
+    assert mcnemar_exact_p(0, 0) == 1.0
+    assert mcnemar_exact_p(5, 5) == 1.0
+    assert mcnemar_exact_p(10, 0) == pytest.approx(2 / 1024)
+    assert mcnemar_exact_p(3, 12) == mcnemar_exact_p(12, 3) == pytest.approx(0.0352, abs=1e-4)
+
+
+def test_paired_comparison_counts_and_interval():
+    before = [True] * 30 + [False] * 70
+    after = [True] * 25 + [False] * 5 + [True] * 20 + [False] * 50  # 5 lost, 20 gained
+    c = paired_comparison(before, after)
+    assert (c["before"], c["after"], c["gained"], c["lost"]) == (0.30, 0.45, 20, 5)
+    assert c["difference"] == pytest.approx(0.15)
+    lo, hi = c["difference_ci"]
+    assert 0.0 < lo < 0.15 < hi  # a real gain: the interval excludes 0
+    assert c["p_value"] < 0.01
+    with pytest.raises(ValueError, match="same length"):
+        paired_comparison([True], [True, False])
+
+
+def test_paired_interval_covers_no_change_at_the_nominal_rate():
+    """Under no change (both evaluations independent draws of the same accuracy) the 95% interval on the
+    difference covers 0 about 95% of the time and McNemar rejects about 5% of the time."""
+    rng = random.Random(0)
+    covered = rejected = 0
+    trials = 400
+    for _ in range(trials):
+        before = [rng.random() < 0.3 for _ in range(512)]
+        after = [rng.random() < 0.3 for _ in range(512)]
+        c = paired_comparison(before, after)
+        covered += c["difference_ci"][0] <= 0.0 <= c["difference_ci"][1]
+        rejected += c["p_value"] < 0.05
+    assert 0.91 <= covered / trials <= 0.99
+    assert rejected / trials <= 0.09
+
+
+def test_length_profile():
+    p = length_profile([10] * 90 + [50] * 9 + [200])
+    assert (p["median"], p["p95"], p["max"]) == (10.0, 50.0, 200.0)
+    assert p["tail_ratio"] == 5.0
+    assert length_profile([]) == {"median": 0.0, "p95": 0.0, "max": 0.0, "tail_ratio": 0.0}
+    assert length_profile([3, 5])["median"] == 4.0
