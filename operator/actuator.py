@@ -18,12 +18,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specrl.operator import children
-from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError
-from specrl.operator.kube import ApiError, KubeClient
-from specrl.operator.rebalance import Move, pick_victim
-from specrl.operator.status import now_iso, set_condition
+from . import children
+from . import metrics as m
+from .coordinator_client import CoordinatorClient, CoordinatorError
+from .kube import ApiError, KubeClient
+from .rebalance import Move, pick_victim
+from .status import now_iso, set_condition
 
 log = logging.getLogger("specrl.operator.actuator")
 

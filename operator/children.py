@@ -159,7 +159,7 @@ DEFAULT_JOB_IMAGE_ENV = "SPECRL_DEFAULT_JOB_IMAGE"
 
 def image_of(job: Any) -> str:
     """The job's own image, else the operator's default job image, else the built-in one."""
-    from specrl.runtime.api import DEFAULT_IMAGE
+    from ..runtime.api import DEFAULT_IMAGE
 
     return str(job.spec.resources.image or os.environ.get(DEFAULT_JOB_IMAGE_ENV) or DEFAULT_IMAGE)
 

@@ -77,12 +77,19 @@ def deletion_time(meta: Mapping[str, Any]) -> float | None:
 
 
 class PodLike(Protocol):
-    name: str
-    role: str
-    phase: str
-    deleting: bool
-    node: str
-    deleted_at: float | None
+    # Read-only members, so that frozen dataclasses (PodInfo) satisfy it.
+    @property
+    def name(self) -> str: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def deleting(self) -> bool: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def deleted_at(self) -> float | None: ...
 
 
 def suspect(pod: PodLike, now: float) -> bool:

@@ -23,12 +23,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
-from specrl.operator import children
-from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorClient
-from specrl.operator.kube import KubeClient, set_client
-from specrl.operator.reconcile import OperatorConfig, PodInfo, Runtime, reconcile
-from specrl.runtime.api import GROUP, PLURAL, VERSION
+
+from ..runtime.api import GROUP, PLURAL, VERSION
+from . import children
+from . import metrics as m
+from .coordinator_client import CoordinatorClient
+from .kube import KubeClient, set_client
+from .reconcile import OperatorConfig, PodInfo, Runtime, reconcile
 
 log = logging.getLogger("specrl.operator.handlers")
 
@@ -45,11 +46,19 @@ def _emit(body: Mapping[str, Any], type_: str, reason: str, message: str) -> Non
     kopf.event(body, type=type_, reason=reason, message=message[:1024])  # type: ignore[arg-type]
 
 
-def _observed(index: Any, namespace: str, name: str) -> list[PodInfo]:
+def _observed(index: Any, namespace: str, name: str) -> list[Any]:
+    # A kopf index holds whatever its indexer returned: PodInfo for pods, (kind, name) for job-level objects.
     try:
         return list(index.get((namespace, name), ()))
     except KeyError:
         return []
+
+
+def _ns(namespace: str | None) -> str:
+    # kopf types `namespace` as optional because cluster-scoped resources have none; every resource here is namespaced.
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced object arrived without a namespace")
+    return namespace
 
 
 def _apply(patch: kopf.Patch, status: dict[str, Any]) -> None:
@@ -84,28 +93,29 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.index("pods", labels={children.LABEL_JOB: kopf.PRESENT,
                                 "app.kubernetes.io/managed-by": children.MANAGED_BY},
                 id="pods_by_job", registry=registry)
-    def pods_by_job(body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any) -> Any:
+    def pods_by_job(body: kopf.Body, namespace: str | None, labels: Mapping[str, str], **_: Any) -> Any:
         info = PodInfo.from_body(body)
-        return {(namespace, labels[children.LABEL_JOB]): info} if info is not None else None
+        return {(_ns(namespace), labels[children.LABEL_JOB]): info} if info is not None else None
 
     @kopf.on.event("pods", labels={children.LABEL_JOB: kopf.PRESENT,
                                    "app.kubernetes.io/managed-by": children.MANAGED_BY},
                    id="pod_disruptions", registry=registry)
-    def pod_disruption(body: kopf.Body, namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+    def pod_disruption(body: kopf.Body, namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
         # An evicted pod can terminate between two ticks: remember the disruption, so that it is counted once
         # and the group restart an evicted coordinator causes is not counted against backoffLimit.
         if _runtime is not None and (info := PodInfo.from_body(body)) is not None:
-            _runtime.note_disruption((namespace, labels[children.LABEL_JOB]), info)
+            _runtime.note_disruption((_ns(namespace), labels[children.LABEL_JOB]), info)
 
     def job_level(kind: str) -> Any:
-        def index(namespace: str, name: str, labels: Mapping[str, str], **_: Any) -> Any:
-            return {(namespace, labels[children.LABEL_JOB]): (kind, name)}
+        def index(namespace: str | None, name: str, labels: Mapping[str, str], **_: Any) -> Any:
+            return {(_ns(namespace), labels[children.LABEL_JOB]): (kind, name)}
         return index
 
     for kind, plural in (("Service", "services"), ("ConfigMap", "configmaps")):
         kopf.index(plural, labels={children.LABEL_JOB: kopf.PRESENT, "app.kubernetes.io/managed-by": children.MANAGED_BY},
                    id=f"{plural}_by_job", registry=registry)(job_level(kind))
 
+    # kopf passes every index as a keyword argument named by its id (pods_by_job, services_by_job, ...).
     def statics(namespace: str, name: str, **indexes: Any) -> set[tuple[str, str]]:
         return {obj for plural in ("services", "configmaps")
                 for obj in _observed(indexes[f"{plural}_by_job"], namespace, name)}
@@ -113,11 +123,12 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.create(**target, id="converge", backoff=5)
     @kopf.on.resume(**target, id="converge", backoff=5)
     @kopf.on.update(**target, id="converge", field="spec", backoff=5)
-    async def converge(body: kopf.Body, reason: str, namespace: str, name: str, patch: kopf.Patch,
-                       pods_by_job: kopf.Index, **_: Any) -> None:
+    async def converge(body: kopf.Body, reason: str, namespace: str | None, name: str, patch: kopf.Patch,
+                       **indexes: Any) -> None:
+        namespace = _ns(namespace)
         trigger = str(getattr(reason, "value", reason))
-        status = await reconcile(runtime(), body, _observed(pods_by_job, namespace, name), trigger,
-                                 statics(namespace, name, **_))
+        status = await reconcile(runtime(), body, _observed(indexes["pods_by_job"], namespace, name), trigger,
+                                 statics(namespace, name, **indexes))
         _apply(patch, status)
 
     def running(status: Mapping[str, Any], **_: Any) -> bool:
@@ -125,18 +136,20 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
     @kopf.timer(**target, interval=config.poll_interval, initial_delay=config.poll_interval, when=running,
                 id="tick", backoff=config.poll_interval)
-    async def tick(body: kopf.Body, namespace: str, name: str, patch: kopf.Patch, pods_by_job: kopf.Index,
-                   **_: Any) -> None:
-        status = await reconcile(runtime(), body, _observed(pods_by_job, namespace, name), "timer",
-                                 statics(namespace, name, **_))
+    async def tick(body: kopf.Body, namespace: str | None, name: str, patch: kopf.Patch,
+                   **indexes: Any) -> None:
+        namespace = _ns(namespace)
+        status = await reconcile(runtime(), body, _observed(indexes["pods_by_job"], namespace, name), "timer",
+                                 statics(namespace, name, **indexes))
         _apply(patch, status)
 
     @kopf.on.delete(**target, id="cleanup", optional=True)
-    async def delete(body: kopf.Body, namespace: str, name: str, pods_by_job: kopf.Index, **_: Any) -> None:
+    async def delete(body: kopf.Body, namespace: str | None, name: str, **indexes: Any) -> None:
+        namespace = _ns(namespace)
         rt = runtime()
         owner = children.Owner.from_body(body)
         async with rt.lock((namespace, name)):
-            for pod in _observed(pods_by_job, namespace, name):
+            for pod in _observed(indexes["pods_by_job"], namespace, name):
                 if not pod.deleting:
                     await rt.kube.delete("Pod", namespace, pod.name)
             for kind, obj_name in (("ConfigMap", children.config_map_name(name)),

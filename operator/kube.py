@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
-from specrl.operator import metrics
+
+from . import metrics
 
 log = logging.getLogger("specrl.operator.kube")
 

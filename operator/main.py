@@ -34,10 +34,11 @@ import sys
 
 import kopf
 import yaml
-from specrl.operator import handlers
-from specrl.operator import metrics as m
-from specrl.operator.children import DEFAULT_JOB_IMAGE_ENV
-from specrl.operator.reconcile import OperatorConfig
+
+from . import handlers
+from . import metrics as m
+from .children import DEFAULT_JOB_IMAGE_ENV
+from .reconcile import OperatorConfig
 
 FINALIZER = "specrl.io/operator"
 

@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
-from specrl.operator import actuator, children, faults
-from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError, InvalidStatus
-from specrl.operator.kube import ApiError, KubeClient
-from specrl.operator.rebalance import (
+
+from ..runtime.api import RLJob, problems_from
+from . import actuator, children, faults
+from . import metrics as m
+from .coordinator_client import CoordinatorClient, CoordinatorError, InvalidStatus
+from .kube import ApiError, KubeClient
+from .rebalance import (
     Allocation,
     LastMove,
     Move,
@@ -45,7 +47,7 @@ from specrl.operator.rebalance import (
     possible_moves,
     room,
 )
-from specrl.operator.status import (
+from .status import (
     condition_true,
     get_condition,
     managed,
@@ -55,7 +57,6 @@ from specrl.operator.status import (
     status_patch,
     transitions,
 )
-from specrl.runtime.api import RLJob, problems_from
 
 log = logging.getLogger("specrl.operator.reconcile")
 
@@ -446,7 +447,7 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
         set_condition(st, "Failed", True, "InvalidSpec", problem, now, gen)
         set_condition(st, "Ready", False, "InvalidSpec", problem, now, gen)
         return writer.final(st)
-    if get_condition(st, "Failed") and get_condition(st, "Failed").get("reason") == "InvalidSpec":
+    if (get_condition(st, "Failed") or {}).get("reason") == "InvalidSpec":
         # The spec was fixed: start over as a fresh job.
         st = {k: v for k, v in st.items() if k in ("observedGeneration",)}
 
@@ -469,7 +470,7 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
         set_condition(st, "Degraded", True, "ImmutableFieldChanged",
                       "; ".join(changes) + "; the job keeps running with the original values "
                       "(delete and re-create the RLJob to change them)", now, gen)
-    elif get_condition(st, "Degraded") and get_condition(st, "Degraded").get("reason") == "ImmutableFieldChanged":
+    elif (get_condition(st, "Degraded") or {}).get("reason") == "ImmutableFieldChanged":
         set_condition(st, "Degraded", False, "AsExpected", "spec matches the running job", now, gen)
 
     if phase is None:
@@ -531,15 +532,15 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
     _mark_phase_times(st, writer.current.get("phase"), now)
     if trigger == "timer" and not suspended:
         degraded = get_condition(st, "Degraded") or {}
-        problem = faults.deadline_problem(
+        deadline = faults.deadline_problem(
             phase=st.get("phase"), now=now, pending_since=parse_iso(st.get("pendingSince")),
             progress_at=parse_iso(st.get("progressAt")), startup_deadline=job.spec.startup_deadline_seconds,
             progress_deadline=job.spec.progress_deadline_seconds, step=int(st.get("step") or 0),
             waiting=[f"{p.name}: {p.waiting}" for p in pods.values() if p.waiting and not p.deleting],
             coordinator_problem=str(degraded.get("message") or "") if degraded.get("status") == "True"
             and degraded.get("reason") in COORDINATOR_PROBLEMS else "")
-        if problem is not None:
-            _fail(st, problem.reason, problem.message, now, gen)
+        if deadline is not None:
+            _fail(st, deadline.reason, deadline.message, now, gen)
 
     if st.get("phase") in ("Complete", "Failed"):
         # Release the GPUs in the same tick the job ends (the timer stops at a terminal phase).

@@ -716,11 +716,11 @@ def _message(err: Any) -> str:
     if kind == "missing":
         return "required field is missing"
     if kind == "string_pattern_mismatch":
-        pattern = (err.get("ctx") or {}).get("pattern")
-        return {QUANTITY.pattern: "must be a Kubernetes quantity such as 4, 500m or 16Gi",
-                IMPORT_REF.pattern: "must have the form package.module:function",
-                ENV_NAME.pattern: "must be a valid environment variable name"}.get(pattern, msg) + \
-            f" (got {err.get('input')!r})"
+        pattern = str((err.get("ctx") or {}).get("pattern"))
+        hints: dict[str, str] = {QUANTITY.pattern: "must be a Kubernetes quantity such as 4, 500m or 16Gi",
+                                 IMPORT_REF.pattern: "must have the form package.module:function",
+                                 ENV_NAME.pattern: "must be a valid environment variable name"}
+        return hints.get(pattern, msg) + f" (got {err.get('input')!r})"
     if kind == "literal_error":
         return f"must be one of {msg.split('Input should be ', 1)[-1]}" if "Input should be" in msg else msg
     if msg.startswith("Input should be"):
@@ -753,7 +753,8 @@ def parse_job(doc: Any, *, source: str = "<input>") -> RLJob:
         raise JobValidationError([Problem(source, "", "", f"expected a mapping (an RLJob object), got "
                                           f"{type(doc).__name__}")])
     meta = doc.get("metadata")
-    name = meta.get("name") if isinstance(meta, dict) and isinstance(meta.get("name"), str) else ""
+    raw_name = meta.get("name") if isinstance(meta, dict) else None
+    name = raw_name if isinstance(raw_name, str) else ""
     head = []
     if doc.get("apiVersion") != API_VERSION:
         head.append(Problem(source, name, "apiVersion", f"must be {API_VERSION!r} (got {doc.get('apiVersion')!r})"))

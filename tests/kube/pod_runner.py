@@ -62,7 +62,7 @@ HOST = "127.0.0.1"
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def processes_in_sessions(sessions: set[int]) -> dict[int, str]:

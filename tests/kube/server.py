@@ -14,16 +14,18 @@ events as HTTP clients would cause.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import kmock
 import yaml
 from kmock._internal.k8s import KubernetesError
 from specrl.runtime.crd import build_crd
+from typing_extensions import Self
 
 from tests.kube.emulator import Emulator
 
@@ -185,7 +187,7 @@ class KubeServer:
     # --------------------------------------------------------------------------------------------------
     # Request accounting
 
-    def requests(self) -> list[tuple[str, str, str]]:
+    def requests(self) -> builtins.list[tuple[str, str, str]]:
         """Every request so far as (METHOD, path, query string), in order."""
         assert self.emulator is not None
         return [(str(r.method.value), r.url.path, r.url.query_string) for r in list(self.emulator._requests)]  # KMock's request log
@@ -205,5 +207,5 @@ class KubeServer:
         assert self.emulator is not None
         return len(self.emulator._requests)
 
-    def requests_since(self, mark: int) -> list[tuple[str, str, str]]:
+    def requests_since(self, mark: int) -> builtins.list[tuple[str, str, str]]:
         return self.requests()[mark:]

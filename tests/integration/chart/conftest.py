@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-# tests/kube (the foundation's emulator) is imported as `tests.kube`: the repository root must be importable.
-if str(HERE.parents[2]) not in sys.path:
-    sys.path.insert(0, str(HERE.parents[2]))
-
-from chart_support import REPO
+from tests.integration.chart.chart_support import REPO
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_support import helm_template, metric_names, rendered_rule_groups, run, tool
+
+from tests.integration.chart.chart_support import helm_template, metric_names, rendered_rule_groups, run, tool
 
 pytestmark = pytest.mark.integration
 

@@ -34,7 +34,8 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_support import (
+
+from tests.integration.chart.chart_support import (
     REPO,
     Prometheus,
     dashboard_queries,

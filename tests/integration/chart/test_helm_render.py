@@ -14,7 +14,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from chart_support import (
+
+from tests.integration.chart.chart_support import (
     CHART,
     CI_VALUES,
     by_kind,

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from chart_support import by_kind, free_port, helm_template, start_operator, stop
+
+from tests.integration.chart.chart_support import by_kind, free_port, helm_template, start_operator, stop
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import yaml
-from chart_support import REPO, by_kind, helm_template, start_operator, stop
+
+from tests.integration.chart.chart_support import REPO, by_kind, helm_template, start_operator, stop
 
 pytestmark = pytest.mark.integration
 

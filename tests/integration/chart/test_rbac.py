@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chart_support import CI_VALUES, Grant, by_kind, grants, helm_template
 from specrl.operator.rbac import PEERING_RBAC_RULES, RBAC_RULES
+
+from tests.integration.chart.chart_support import CI_VALUES, Grant, by_kind, grants, helm_template
 
 pytestmark = pytest.mark.integration
 

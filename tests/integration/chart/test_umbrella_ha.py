@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_support import CHART, by_kind, helm_template, run, tool
+
+from tests.integration.chart.chart_support import CHART, by_kind, helm_template, run, tool
 
 pytestmark = pytest.mark.integration
 

@@ -182,9 +182,9 @@ def _series(metrics: str, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def join() -> Iterator[Join]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rlrun"))
-    from micro import micro_models
     from specrl.runtime.paths import cache_dir
+
+    from tests.integration.rlrun.micro import micro_models
 
     micro_models()  # built (or found in the cache) before any pod starts
     # Ray puts Unix sockets under each pod's temp dir: keep the root short (107-byte socket path limit).
@@ -352,6 +352,6 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
 
 
 def _models() -> tuple[Path, Path]:
-    from micro import micro_models
+    from tests.integration.rlrun.micro import micro_models
 
     return micro_models()

@@ -36,7 +36,7 @@ def _report(key: str, value: Any) -> None:
 
 
 def small_job(name: str, ns: str, **spec: Any) -> dict[str, Any]:
-    doc = {
+    doc: dict[str, Any] = {
         "apiVersion": "specrl.io/v1alpha1", "kind": "RLJob",
         "metadata": {"name": name, "namespace": ns},
         "spec": {

@@ -9,9 +9,17 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from chart_support import CHART, DASHBOARDS, dashboard_queries, iter_panels, load_dashboards, metric_names
 from specrl.operator import metrics as operator_metrics
 from specrl.runtime.metrics import METRIC_NAMES as RUNTIME_METRIC_NAMES
+
+from tests.integration.chart.chart_support import (
+    CHART,
+    DASHBOARDS,
+    dashboard_queries,
+    iter_panels,
+    load_dashboards,
+    metric_names,
+)
 
 BOARDS = load_dashboards()
 DS_REF = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}

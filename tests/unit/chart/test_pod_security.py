@@ -6,7 +6,8 @@ import copy
 from typing import Any
 
 import pytest
-from chart_support import restricted_violations
+
+from tests.integration.chart.chart_support import restricted_violations
 
 
 def good_pod() -> dict[str, Any]:

@@ -9,7 +9,8 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from chart_support import CHART, CI_VALUES
+
+from tests.integration.chart.chart_support import CHART, CI_VALUES
 
 VALUES_TEXT = (CHART / "values.yaml").read_text()
 VALUES = yaml.safe_load(VALUES_TEXT)

@@ -163,6 +163,8 @@ def test_base_install_runtime_commands_say_what_to_install(args: tuple[str, ...]
 
 def test_operator_and_hook_need_no_kubernetes_client() -> None:
     # The operator's client is its own adapter on kopf's login (operator/README.md); `kubernetes` is a test extra.
+    if sys.version_info < (3, 11):
+        pytest.skip("tomllib is Python 3.11+")
     import tomllib
 
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import kubernetes_validate
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from specrl.operator import children
 from specrl.runtime.api import RLJob, parse_job
 
-BASE = {
+BASE: dict[str, Any] = {
     "apiVersion": "specrl.io/v1alpha1",
     "kind": "RLJob",
     "metadata": {"name": "demo", "namespace": "team-a", "labels": {"team": "reasoning"}},
@@ -212,7 +213,7 @@ def test_next_free_index():
 
 # ---- pods a real job can use: volumes, secrets in env, scheduling, per-role overrides --------------------
 
-REAL = {
+REAL: dict[str, Any] = {
     "podTemplate": {
         "nodeSelector": {"nvidia.com/gpu.product": "H100"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],

@@ -11,6 +11,8 @@ from specrl.operator.reconcile import PodInfo, reconcile
 from specrl.operator.status import get_condition
 from specrl.runtime.api import DEFAULT_IMAGE, RLJob
 
+from tests.unit.operator.conditions import require_condition
+
 from .test_reconcile import JOB, env, run  # noqa: F401 - `env` is a fixture
 
 MIRROR = "registry.internal/mirror/specrl:0.1.0"
@@ -56,5 +58,5 @@ async def test_a_running_job_keeps_the_image_it_started_with(env, monkeypatch: p
     await run(rt, kube, body, "timer")
     assert ("Pod", "j-rollout-1") in kube.objects
     assert get_condition(body["status"], "Degraded") is None or \
-        get_condition(body["status"], "Degraded")["status"] == "False"
+        require_condition(body["status"], "Degraded")["status"] == "False"
     assert _pod_images(kube) == {MIRROR}

@@ -10,18 +10,19 @@ import asyncio
 import copy
 import dataclasses
 import json
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from specrl.operator import children
 from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorError, InvalidStatus
-from specrl.operator.kube import ApiError
+from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError, InvalidStatus
+from specrl.operator.kube import ApiError, KubeClient
 from specrl.operator.rebalance import possible_moves
 from specrl.operator.reconcile import OperatorConfig, PodInfo, Runtime, reconcile
-from specrl.operator.status import get_condition
 
-JOB = {
+from tests.unit.operator.conditions import require_condition
+
+JOB: dict[str, Any] = {
     "apiVersion": "specrl.io/v1alpha1",
     "kind": "RLJob",
     "metadata": {"name": "j", "namespace": "ns", "uid": "u-1", "generation": 1},
@@ -78,7 +79,9 @@ class FakeKube:
                 ready = {"type": "Ready", "status": "True" if phase == "Running" else "False"}
                 body = {**obj, "metadata": {**obj["metadata"], "uid": obj["_uid"]},
                         "status": {"phase": phase, "conditions": [ready]}}
-                out.append(PodInfo.from_body(body))
+                info = PodInfo.from_body(body)
+                assert info is not None, name
+                out.append(info)
         return out
 
     def writes(self) -> list[tuple[str, str, str]]:
@@ -127,7 +130,9 @@ class Clock:
 @pytest.fixture
 def env():
     kube, coord, events, clock = FakeKube(), FakeCoord(), [], Clock()
-    rt = Runtime(config=OperatorConfig(restart_backoff_base=10, drain_poll=0.01), kube=kube, coord=coord,
+    # The fakes are duck-typed stand-ins for the two clients.
+    rt = Runtime(config=OperatorConfig(restart_backoff_base=10, drain_poll=0.01), kube=cast(KubeClient, kube),
+                 coord=cast(CoordinatorClient, coord),
                  emit=lambda body, t, reason, msg: events.append((t, reason, msg)), clock=clock)
     m.forget_job("ns", "j")
     yield rt, kube, coord, events, clock
@@ -176,7 +181,7 @@ async def test_timer_with_nothing_to_change_writes_nothing(env):
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")
     await run(rt, kube, body)  # Pending -> Running (coordinator answered)
-    assert body["status"]["phase"] == "Running" and get_condition(body["status"], "Ready")["status"] == "True"
+    assert body["status"]["phase"] == "Running" and require_condition(body["status"], "Ready")["status"] == "True"
     kube.calls.clear()
     for _ in range(10):
         clock.t += 10
@@ -202,7 +207,7 @@ async def test_queue_backlog_moves_a_trainer_to_rollout_draining_first(env):
     assert st["allocation"] == {"trainer": {"replicas": 1, "gpus": 1}, "rollout": {"replicas": 3, "gpus": 3}}
     assert st["lastRebalance"]["reason"] == "QueueBacklog" and st["lastRebalance"]["toRole"] == "rollout"
     assert st.get("pendingMove") is None
-    assert get_condition(st, "Rebalancing")["status"] == "False"
+    assert require_condition(st, "Rebalancing")["status"] == "False"
     reasons = [e[1] for e in events]
     assert "QueueBacklog" in reasons and "MoveComplete" in reasons  # Rebalancing True then False
     # At the trainer minimum (1) no further move happens.
@@ -219,13 +224,13 @@ async def test_unreachable_coordinator_degrades_and_makes_no_move(env):
     coord.fail = True
     coord.state["queueDepth"] = 500
     await run(rt, kube, body)
-    deg = get_condition(body["status"], "Degraded")
+    deg = require_condition(body["status"], "Degraded")
     assert deg["status"] == "True" and deg["reason"] == "CoordinatorUnreachable"
     assert "connection refused" in deg["message"] and coord.drains == []
     coord.fail = False
     coord.state["queueDepth"] = 0
     await run(rt, kube, body)
-    assert get_condition(body["status"], "Degraded")["status"] == "False"
+    assert require_condition(body["status"], "Degraded")["status"] == "False"
 
 
 async def test_suspend_deletes_workers_and_resume_recreates_them(env):
@@ -236,12 +241,12 @@ async def test_suspend_deletes_workers_and_resume_recreates_them(env):
     await run(rt, kube, body, "update")
     assert pod_names(kube) == ["j-coordinator-0"]
     assert body["status"]["phase"] == "Suspended"
-    assert get_condition(body["status"], "Suspended")["status"] == "True"
+    assert require_condition(body["status"], "Suspended")["status"] == "True"
     assert body["status"]["allocation"]["trainer"]["replicas"] == 2  # status kept
     body["spec"]["suspend"] = False
     await run(rt, kube, body, "update")
     assert len(pod_names(kube)) == 5 and body["status"]["phase"] == "Pending"
-    assert get_condition(body["status"], "Suspended")["reason"] == "Resumed"
+    assert require_condition(body["status"], "Suspended")["reason"] == "Resumed"
 
 
 async def test_invalid_cross_field_spec_fails_with_the_field_path_and_creates_nothing(env):
@@ -251,7 +256,7 @@ async def test_invalid_cross_field_spec_fails_with_the_field_path_and_creates_no
     patch = await run(rt, kube, body, "create")
     assert kube.calls == []
     assert patch["phase"] == "Failed"
-    failed = get_condition(patch, "Failed")
+    failed = require_condition(patch, "Failed")
     assert failed["reason"] == "InvalidSpec" and "spec.resources.totalGPUs" in failed["message"]
     # Fixing the spec recovers the job.
     body["spec"]["resources"]["totalGPUs"] = 4
@@ -267,7 +272,7 @@ async def test_immutable_model_change_is_rejected_with_a_condition(env):
     body["spec"]["resources"]["image"] = "other:1"
     kube.calls.clear()
     await run(rt, kube, body, "update")
-    deg = get_condition(body["status"], "Degraded")
+    deg = require_condition(body["status"], "Degraded")
     assert deg["status"] == "True" and deg["reason"] == "ImmutableFieldChanged"
     assert "spec.model" in deg["message"] and "spec.resources.image" in deg["message"]
     assert not [c for c in kube.calls if c[0] in ("create", "delete") and c[1] == "Pod"]
@@ -277,7 +282,7 @@ async def test_immutable_model_change_is_rejected_with_a_condition(env):
     body["spec"]["model"]["name"] = "builtin:tiny"
     body["spec"]["resources"]["image"] = JOB["spec"]["resources"].get("image", "ghcr.io/specrl/specrl:0.1.0")
     await run(rt, kube, body, "update")
-    assert get_condition(body["status"], "Degraded")["status"] == "False"
+    assert require_condition(body["status"], "Degraded")["status"] == "False"
 
 
 async def test_pod_failures_back_off_then_fail_the_job(env):
@@ -305,8 +310,8 @@ async def test_pod_failures_back_off_then_fail_the_job(env):
             await run(rt, kube, body)
             assert "j-rollout-1" in pod_names(kube)
     assert body["status"]["phase"] == "Failed"
-    failed = get_condition(body["status"], "Failed")
-    assert failed["reason"] == "BackoffLimitExceeded" and "backoffLimit 2" in failed["message"]
+    failed_cond = require_condition(body["status"], "Failed")
+    assert failed_cond["reason"] == "BackoffLimitExceeded" and "backoffLimit 2" in failed_cond["message"]
     assert pod_names(kube) == ["j-coordinator-0"]
     assert any(e[1] == "PodFailed" for e in events)
 
@@ -318,7 +323,7 @@ async def test_completion_releases_workers(env):
     coord.state.update(complete=True, phase="Complete", step=20)
     await run(rt, kube, body)
     assert body["status"]["phase"] == "Complete" and body["status"]["step"] == 20
-    assert get_condition(body["status"], "Complete")["status"] == "True"
+    assert require_condition(body["status"], "Complete")["status"] == "True"
     assert pod_names(kube) == ["j-coordinator-0"]
 
 
@@ -356,7 +361,7 @@ async def test_coordinator_not_up_yet_keeps_the_job_pending_not_degraded(env):
     await run(rt, kube, body)
     st = body["status"]
     assert st["phase"] == "Pending" and "waiting for the coordinator" in st["message"]
-    assert get_condition(st, "Degraded")["status"] == "False"
+    assert require_condition(st, "Degraded")["status"] == "False"
     assert not [e for e in events if e[0] == "Warning"]
 
 
@@ -470,8 +475,8 @@ async def test_coordinator_failed_releases_workers_and_sets_conditions_in_the_sa
     await run(rt, kube, body)
     st = body["status"]
     assert st["phase"] == "Failed" and pod_names(kube) == ["j-coordinator-0"]
-    assert get_condition(st, "Failed")["reason"] == "CoordinatorFailed"
-    assert get_condition(st, "Ready") | {} and get_condition(st, "Ready")["status"] == "False"
+    assert require_condition(st, "Failed")["reason"] == "CoordinatorFailed"
+    assert require_condition(st, "Ready")["status"] == "False"
     assert ("Warning", "PhaseFailed") in [(e[0], e[1]) for e in events]
 
 
@@ -550,7 +555,7 @@ async def test_pod_on_a_lost_node_is_force_deleted_after_the_grace_period(env):
     rt.config.node_lost_grace = 60
     body = await running_job(rt, kube)
     from specrl.operator.status import now_iso
-    node = {"metadata": {"name": "n1"}, "status": {"conditions": [
+    node: dict[str, Any] = {"metadata": {"name": "n1"}, "status": {"conditions": [
         {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
          "lastTransitionTime": now_iso(clock.t - 30)}]}}
     kube.objects[("Node", "n1")] = node
@@ -584,13 +589,13 @@ async def test_waiting_reasons_are_surfaced_and_the_startup_deadline_fails_the_j
     pods = with_pod(kube, "j-trainer-1", phase="Pending", waiting=msg)
     for _ in range(3):
         await run_with(rt, kube, body, pods)
-    ready = get_condition(body["status"], "Ready")
+    ready = require_condition(body["status"], "Ready")
     assert ready["reason"] == "ImagePullBackOff" and "j-trainer-1: ImagePullBackOff" in ready["message"]
     assert [(e[0], e[1]) for e in events].count(("Warning", "ImagePullBackOff")) == 1  # once, not every tick
     clock.t += 601
     await run_with(rt, kube, body, pods)
     st = body["status"]
-    assert st["phase"] == "Failed" and get_condition(st, "Failed")["reason"] == "StartupDeadlineExceeded"
+    assert st["phase"] == "Failed" and require_condition(st, "Failed")["reason"] == "StartupDeadlineExceeded"
     assert "ImagePullBackOff" in st["message"] and pod_names(kube) == ["j-coordinator-0"]
 
 
@@ -607,7 +612,7 @@ async def test_progress_deadline_fails_a_stalled_job(env):
     clock.t += 101
     await run(rt, kube, body)
     st = body["status"]
-    assert st["phase"] == "Failed" and get_condition(st, "Failed")["reason"] == "ProgressDeadlineExceeded"
+    assert st["phase"] == "Failed" and require_condition(st, "Failed")["reason"] == "ProgressDeadlineExceeded"
     assert "connection refused" in st["message"] and pod_names(kube) == ["j-coordinator-0"]
 
 
@@ -618,7 +623,7 @@ async def test_refused_creates_set_a_condition_and_back_off(env):
         {"kind": "Status", "code": 403, "message": 'pods "j-trainer-0" is forbidden: exceeded quota: gpus'}))
     body = copy.deepcopy(JOB)
     await run(rt, kube, body, "create")  # no exception: the reconcile finishes and writes the status
-    deg = get_condition(body["status"], "Degraded")
+    deg = require_condition(body["status"], "Degraded")
     assert deg["status"] == "True" and deg["reason"] == "FailedCreate" and "exceeded quota" in deg["message"]
     assert any(e[:2] == ("Warning", "FailedCreate") for e in events)
     attempts = sum(1 for c in kube.calls if c[:2] == ("create", "Pod"))
@@ -627,7 +632,7 @@ async def test_refused_creates_set_a_condition_and_back_off(env):
     del kube.refuse["Pod"]
     await asyncio.sleep(0.25)
     await run(rt, kube, body)
-    assert len(pod_names(kube)) == 5 and get_condition(body["status"], "Degraded")["status"] == "False"
+    assert len(pod_names(kube)) == 5 and require_condition(body["status"], "Degraded")["status"] == "False"
 
 
 async def test_invalid_coordinator_status_degrades_and_never_reaches_the_status(env):
@@ -635,11 +640,11 @@ async def test_invalid_coordinator_status_degrades_and_never_reaches_the_status(
     body = await running_job(rt, kube)
     coord.error = InvalidStatus("GET http://x/status: invalid status: queueDepth: Input should be a valid integer")
     await run(rt, kube, body)
-    deg = get_condition(body["status"], "Degraded")
+    deg = require_condition(body["status"], "Degraded")
     assert deg["status"] == "True" and deg["reason"] == "CoordinatorResponseInvalid" and "queueDepth" in deg["message"]
     coord.error = None
     await run(rt, kube, body)
-    assert get_condition(body["status"], "Degraded")["status"] == "False"
+    assert require_condition(body["status"], "Degraded")["status"] == "False"
 
 
 async def test_job_level_objects_deleted_by_hand_are_recreated_on_the_next_tick(env):
@@ -671,7 +676,7 @@ async def test_a_retired_pod_outside_a_move_is_moved_or_replaced(env):
     coord.drain_error = CoordinatorError("POST http://x/drain: ServerDisconnectedError")
     coord.state["queueDepth"] = 50
     await run(rt, kube, body)
-    assert coord.drains == ["j-trainer-1"] and get_condition(body["status"], "Rebalancing")["reason"] == "DrainFailed"
+    assert coord.drains == ["j-trainer-1"] and require_condition(body["status"], "Rebalancing")["reason"] == "DrainFailed"
     assert "j-trainer-1" in pod_names(kube)
     # ...but the coordinator retired the worker: its pod would idle on a GPU. The move is finished.
     coord.drain_error = None

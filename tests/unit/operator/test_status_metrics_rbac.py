@@ -8,18 +8,20 @@ import sys
 from prometheus_client import generate_latest
 from specrl.operator import metrics as m
 from specrl.operator.rbac import RBAC_RULES
-from specrl.operator.status import get_condition, set_condition, status_patch, transitions
+from specrl.operator.status import set_condition, status_patch, transitions
+
+from tests.unit.operator.conditions import require_condition
 
 
 def test_condition_transition_time_moves_only_on_flips():
     st: dict = {}
     set_condition(st, "Ready", False, "Pending", "0/3", 100.0, 1)
-    first = get_condition(st, "Ready")["lastTransitionTime"]
+    first = require_condition(st, "Ready")["lastTransitionTime"]
     set_condition(st, "Ready", False, "PodsNotReady", "1/3", 200.0, 2)
-    cond = get_condition(st, "Ready")
+    cond = require_condition(st, "Ready")
     assert cond["lastTransitionTime"] == first and cond["reason"] == "PodsNotReady" and cond["observedGeneration"] == 2
     set_condition(st, "Ready", True, "AllPodsRunning", "3/3", 300.0, 2)
-    assert get_condition(st, "Ready")["lastTransitionTime"] != first
+    assert require_condition(st, "Ready")["lastTransitionTime"] != first
     set_condition(st, "Degraded", True, "X", "", 300.0, 2)
     set_condition(st, "Complete", True, "Y", "", 300.0, 2)
     assert [c["type"] for c in st["conditions"]] == ["Ready", "Complete", "Degraded"]  # stable order
