@@ -249,9 +249,11 @@ def _typed(schema: dict[str, Any], value: Any) -> Any:
         return float(value)
     if isinstance(value, dict):
         props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else {}
+        more = schema.get("additionalProperties")
+        extra: dict[str, Any] = more if isinstance(more, dict) else {}
         return {k: _typed(props.get(k, extra), v) for k, v in value.items()}
     if isinstance(value, list):
-        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        item = schema.get("items")
+        items: dict[str, Any] = item if isinstance(item, dict) else {}
         return [_typed(items, v) for v in value]
     return value

@@ -440,7 +440,7 @@ def evaluate_dashboards(prom: Prometheus, boards: Mapping[str, Mapping[str, Any]
     return results
 
 
-def rendered_rule_groups(docs: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def rendered_rule_groups(docs: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The PrometheusRule of a rendered chart as a plain Prometheus rule file ({groups: [...]})."""
     rules = by_kind(docs, "PrometheusRule")
     assert len(rules) == 1, f"expected one PrometheusRule, got {len(rules)}"

@@ -254,8 +254,11 @@ def observe(prom: Prometheus, run_proc: subprocess.Popen[str], tail: Tail,
 def discover(prom: Prometheus, board: dict[str, Any]) -> list[dict[str, str]]:
     """The variable settings a user can pick: each namespace the `namespace` query offers, with its first job."""
     queries = {v["name"]: v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"}
-    ns_metric, ns_label = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["namespace"]).groups()
-    job_metric, job_label = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["rljob"]).groups()
+    ns_query = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["namespace"])
+    job_query = re.fullmatch(r"label_values\((.+), (\w+)\)", queries["rljob"])
+    assert ns_query and job_query, f"unexpected variable queries {queries}"
+    ns_metric, ns_label = ns_query.groups()
+    job_metric, job_label = job_query.groups()
     out = []
     for ns in sorted(prom.label_values(ns_label, ns_metric)):
         jobs = sorted(prom.label_values(job_label, substitute(job_metric, {"namespace": ns})))

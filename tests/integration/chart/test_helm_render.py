@@ -153,8 +153,8 @@ def test_validator_is_strict() -> None:
 
 @pytest.mark.parametrize("values", CASES, ids=IDS)
 def test_every_pod_spec_is_restricted(values: Path | None) -> None:
-    pods = [(f"{d['kind']}/{d['metadata']['name']}", pod_spec_of(d)) for d in rendered(values)]
-    pods = [(w, p) for w, p in pods if p is not None]
+    specs = [(f"{d['kind']}/{d['metadata']['name']}", pod_spec_of(d)) for d in rendered(values)]
+    pods = [(w, p) for w, p in specs if p is not None]
     assert pods, "no pod specs rendered"
     problems = [line for where, pod in pods for line in restricted_violations(pod, where)]
     assert not problems, "\n".join(problems)

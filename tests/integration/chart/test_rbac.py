@@ -33,7 +33,8 @@ def split(rules: list[dict[str, Any]]) -> set[Grant]:
 
 def operator_grants(docs: list[dict[str, Any]], sa: str) -> dict[str, set[Grant]]:
     """What the operator's ServiceAccount is bound to, per namespace ("*" = cluster-wide)."""
-    roles = {("ClusterRole", d["metadata"]["name"]): d for d in by_kind(docs, "ClusterRole")}
+    roles: dict[tuple[str, ...], dict[str, Any]] = {("ClusterRole", d["metadata"]["name"]): d
+                                                    for d in by_kind(docs, "ClusterRole")}
     roles |= {("Role", d["metadata"]["name"], d["metadata"]["namespace"]): d for d in by_kind(docs, "Role")}
     out: dict[str, set[Grant]] = {}
     for binding in by_kind(docs, "ClusterRoleBinding") + by_kind(docs, "RoleBinding"):

@@ -11,7 +11,6 @@ def configure(settings: kopf.OperatorSettings, **_):
 
 @kopf.on.create("specrl.io", "v1alpha1", "rljobs")
 def created(body, name, namespace, uid, patch, **_):
-    kopf.adopt_to = None
     cm = {"apiVersion": "v1", "kind": "ConfigMap",
           "metadata": {"name": f"{name}-config", "namespace": namespace,
                        "labels": {"specrl.io/job": name},
@@ -20,7 +19,8 @@ def created(body, name, namespace, uid, patch, **_):
           "data": {"job.yaml": "x"}}
     import kubernetes
     kubernetes.config.load_kube_config()
-    kubernetes.client.CoreV1Api().create_namespaced_config_map(namespace, cm)
+    # The client serializes a plain dict body as well as its V1ConfigMap model.
+    kubernetes.client.CoreV1Api().create_namespaced_config_map(namespace, cm)  # type: ignore[arg-type]
     patch.status["phase"] = "Running"
     patch.status["step"] = 3
 

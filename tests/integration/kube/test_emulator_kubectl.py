@@ -125,6 +125,6 @@ def test_kubectl_get_watch_streams_status_changes(kube, kubectl, kube_env):
         time.sleep(0.5)
     finally:
         watch.terminate()
-        out, err = watch.communicate(10)
+        out, err = watch.communicate(timeout=10)
     rows = [line.split() for line in out.splitlines()[1:]]
     assert ["tiny-local", "Running", "2"] == rows[-1][:3], (out, err)

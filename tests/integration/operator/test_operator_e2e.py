@@ -113,6 +113,7 @@ def _example_job(kube: KubeEnv) -> None:
     settle(kube, ns, 0.5)
 
     job = kube.job(ns, name)
+    assert job is not None
     uid = job["metadata"]["uid"]
     pods = kube.pods(ns, name)
     assert sorted(pods) == sorted([f"{name}-coordinator-0"] + [f"{name}-trainer-{i}" for i in range(8)]

@@ -233,7 +233,8 @@ def test_spec_edit_during_a_move_keeps_the_new_pod(kube: KubeEnv, operator: Oper
     new_pod_deletes = [w for w in kube.operator_writes(kube.requests(), ns)
                        if w.startswith("DELETE") and w.endswith(f"/pods/{pending['newPod']}")]
     assert new_pod_deletes == []
-    assert status(kube, ns, name)["observedGeneration"] == kube.job(ns, name)["metadata"]["generation"]
+    job = kube.job(ns, name)
+    assert job is not None and status(kube, ns, name)["observedGeneration"] == job["metadata"]["generation"]
 
 
 def test_waiting_reasons_and_the_startup_deadline(kube: KubeEnv, operator: OperatorProcess):

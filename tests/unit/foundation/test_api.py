@@ -367,6 +367,8 @@ def test_yaml_floats_in_exponent_form_are_numbers() -> None:
 # ----------------------------------------------------------------------------------------------------------
 # The models and the CRD agree on generated specs (the cross-field rules and their CEL twins).
 
+VOLUMES: list[dict[str, Any]] = [{"name": "a", "emptyDir": {}}, {"name": "h", "hostPath": {"path": "/x"}},
+                                  {"name": "b"}, {"name": "config", "emptyDir": {}}]
 _specs = st.fixed_dictionaries({}, optional={
     "mode": st.sampled_from(["sync", "async"]),
     "maxStaleness": st.integers(0, 3),
@@ -386,8 +388,7 @@ _specs = st.fixed_dictionaries({}, optional={
                                                       "maxReplicas": st.integers(1, 5)}),
         "podTemplate": st.fixed_dictionaries({}, optional={
             "env": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["A", "B", "SPECRL_X"])}), max_size=3),
-            "volumes": st.lists(st.sampled_from([{"name": "a", "emptyDir": {}}, {"name": "h", "hostPath": {"path": "/x"}},
-                                                 {"name": "b"}, {"name": "config", "emptyDir": {}}]),
+            "volumes": st.lists(st.sampled_from(VOLUMES),
                                 max_size=2, unique_by=lambda v: v["name"]),
             "allowHostPath": st.booleans(),
             "resources": st.fixed_dictionaries({}, optional={

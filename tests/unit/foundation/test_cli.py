@@ -163,9 +163,7 @@ def test_base_install_runtime_commands_say_what_to_install(args: tuple[str, ...]
 
 def test_operator_and_hook_need_no_kubernetes_client() -> None:
     # The operator's client is its own adapter on kopf's login (operator/README.md); `kubernetes` is a test extra.
-    if sys.version_info < (3, 11):
-        pytest.skip("tomllib is Python 3.11+")
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(d.startswith("kubernetes") for d in meta["dependencies"])

@@ -80,7 +80,9 @@ def test_every_child_is_owned_labelled_and_namespaced():
 def test_pods_roles_gpus_and_commands():
     d, _ = all_objects(job())
     for name, pod in d.pods.items():
-        role, index = children.parse_pod_name("demo", name)
+        parsed = children.parse_pod_name("demo", name)
+        assert parsed is not None, name
+        role, index = parsed
         labels = pod["metadata"]["labels"]
         assert labels["specrl.io/role"] == role == labels["app.kubernetes.io/component"]
         assert labels["specrl.io/worker-index"] == str(index)
@@ -355,7 +357,7 @@ def test_cluster_examples_make_valid_pods_with_storage_and_a_cpu_coordinator(exa
         kubernetes_validate.validate(pod, "1.33.0", strict=True)
         mounts = {m["mountPath"] for m in _container(pod)["volumeMounts"]}
         assert {"/checkpoints", "/var/cache/specrl"} <= mounts  # checkpoints and the model cache on PVCs
-        assert j.spec.checkpoint.path.startswith("/checkpoints/")
+        assert (j.spec.checkpoint.path or "").startswith("/checkpoints/")
         env = {e["name"]: e for e in _container(pod)["env"]}
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
     coord = d.pods[f"{j.metadata.name}-coordinator-0"]
@@ -375,6 +377,7 @@ def test_every_pod_template_field_has_a_merge_rule():
     merged = merge_templates(common, role)  # raises for a field without a rule
     assert merged.node_selector == {} and merged.service_account_name == "coord"  # replaced whole
     assert merged.labels == {"a": "1", "b": "2"}  # merged by key
+    assert merged.image_pull_secrets is not None and merged.env is not None and common.env is not None
     assert [s.name for s in merged.image_pull_secrets] == ["registry", "other"]
     assert [e.name for e in merged.env][-1] == "X" and len(merged.env) == len(common.env) + 1
     assert merged.tolerations == common.tolerations and merged.priority_class_name == "p"  # inherited

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,8 +135,8 @@ def test_a_move_that_would_be_undone_is_not_made():
     # low watermark (2 per worker) while the coordinator flags a long tail, and the policy would push back.
     cfg = PolicyConfig(**{**CFG.__dict__, "rollout_min": 1, "queue_high_watermark": 3, "queue_low_watermark": 2})
     s = Signals(queue_depth=4, long_tail=True, active_sequences=0, step_batch_size=8)
-    assert want(s, Allocation(4, 1), cfg).to_role == "rollout"
-    assert want(s, Allocation(3, 2), cfg).to_role == "trainer"
+    assert (w := want(s, Allocation(4, 1), cfg)) is not None and w.to_role == "rollout"
+    assert (w := want(s, Allocation(3, 2), cfg)) is not None and w.to_role == "trainer"
     d = decide(s, Allocation(4, 1), cfg, 0.0)
     assert d.move is None and "reversed" in d.held
 
@@ -263,7 +265,7 @@ def test_possible_moves_are_exactly_what_want_can_return(mode: str):
 
 # ---- step timings: move a GPU only where it shortens the step -------------------------------------------
 
-TAIL = {"queue_depth": 0, "long_tail": True, "active_sequences": 3, "step_batch_size": 64}
+TAIL: dict[str, Any] = {"queue_depth": 0, "long_tail": True, "active_sequences": 3, "step_batch_size": 64}
 
 
 def test_long_tail_push_needs_a_trainer_that_would_shorten_the_step():
