@@ -109,6 +109,19 @@ def _status(code: int, reason: str, message: str, details: dict[str, Any] | None
     return KubernetesError(status=code, reason=reason, message=message, details=details or {})
 
 
+# KMock routes resource (and object) requests here only when the URL names one; these say so to the type checker.
+def _resource_of(request: rendering.Request) -> kmock.resource:
+    if request.resource is None:
+        raise _status(404, "NotFound", f"{request.url.path} names no resource")
+    return request.resource
+
+
+def _name_of(request: rendering.Request) -> str:
+    if request.name is None:
+        raise _status(404, "NotFound", f"{request.url.path} names no object")
+    return request.name
+
+
 def human_age(created: str | None) -> str:
     """Age like kubectl prints it (`45s`, `3m12s`, `17m`, `5h3m`, `2d`)."""
     if not created:
@@ -160,7 +173,8 @@ def label_selector(text: str | None) -> Callable[[dict[str, str]], bool]:
     """A predicate over labels for a Kubernetes label selector string; raises ValueError when malformed."""
     if not text:
         return lambda labels: True
-    tests: list[Callable[[dict[str, str]], bool]] = []
+    # Each predicate takes the labels; the lambdas bind their clause through default arguments.
+    tests: list[Callable[..., bool]] = []
     for part in _split_selector(text):
         if m := _SET_EXPR.match(part):
             key, op, values = m.group(1), m.group(2), {v.strip() for v in m.group(3).split(",") if v.strip()}
@@ -268,7 +282,7 @@ class _Watcher:
     name: str | None
     labels: Callable[[dict[str, str]], bool]
     fields: Callable[[dict[str, Any]], bool]
-    queue: asyncio.Queue[dict[str, Any]] = attrs.field(factory=asyncio.Queue)
+    queue: asyncio.Queue[dict[str, Any] | None] = attrs.field(factory=asyncio.Queue)
 
     def wants(self, obj: dict[str, Any]) -> bool:
         meta = obj.get("metadata", {})
@@ -403,7 +417,8 @@ class Emulator(kmock.KubernetesEmulator):
             return await self._handle(request)
         except rendering.StreamingError as exc:  # a watch that failed after its headers went out
             raw_response = exc.args[0]
-            await self._stream_error(exc.__cause__ or exc, raw_response)
+            cause = exc.__cause__
+            await self._stream_error(cause if isinstance(cause, Exception) else exc, raw_response)
             await raw_response.write_eof()
             return raw_response
         except Exception as exc:  # noqa: BLE001 - rendered as a Kubernetes Status, as KMock does
@@ -421,6 +436,7 @@ class Emulator(kmock.KubernetesEmulator):
     # (otherwise kubectl warns that `rlj` could also mean `rljobs/status`).
     async def _serve_version(self, request: rendering.Request) -> dict[str, Any]:
         body = await super()._serve_version(request)
+        assert isinstance(body, dict), body  # KMock renders the discovery document as a plain dict
         for entry in body.get("resources", []):
             if "/" in entry["name"]:
                 sub = entry["name"].split("/", 1)[1]
@@ -435,7 +451,7 @@ class Emulator(kmock.KubernetesEmulator):
         for res, schema in self._schemas.items():
             info = self.resources[res]
             gv = f"apis/{res.group}/{res.version}"
-            prefix = ".".join(reversed(res.group.split("."))) + f".{res.version}"
+            prefix = ".".join(reversed((res.group or "").split("."))) + f".{res.version}"
             doc = docs.setdefault(gv, {"openapi": "3.0.0", "info": {"title": "Kubernetes", "version": "v1.37.0"},
                                        "paths": {}, "components": {"schemas": {}}})
             gvk = [{"group": res.group, "version": res.version, "kind": info.kind}]
@@ -759,7 +775,8 @@ class Emulator(kmock.KubernetesEmulator):
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
             raise _status(422, "Invalid", f"the JSON patch could not be applied: {exc}") from None
 
-    async def delete(self, res: kmock.resource, namespace: str | None, name: str, *,
+    # Shadows KMock's HTTP-client helper delete(url), which nothing calls on the emulator.
+    async def delete(self, res: kmock.resource, namespace: str | None, name: str, *,  # type: ignore[override]
                      propagation: str | None = None, params: dict[str, str] | None = None) -> dict[str, Any]:
         params = params or {}
         async with self._mutex:
@@ -837,7 +854,7 @@ class Emulator(kmock.KubernetesEmulator):
     # HTTP fallbacks
 
     async def _serve_list(self, request: rendering.Request) -> Any:
-        res = request.resource
+        res = _resource_of(request)
         info = self.info(res)
         async with self._mutex:
             items = self.list_objects(res, request.namespace, labels=request.params.get("labelSelector"),
@@ -851,18 +868,19 @@ class Emulator(kmock.KubernetesEmulator):
     async def _serve_fetch(self, request: rendering.Request) -> Any:
         if request.subresource not in (None, "status"):
             raise _status(404, "NotFound", f"subresource {request.subresource!r} is not supported by the emulator")
+        res, name = _resource_of(request), _name_of(request)
         async with self._mutex:
-            obj = self._get(request.resource, request.namespace, request.name)
+            obj = self._get(res, request.namespace, name)
         if obj is None:
-            raise self._not_found(request.resource, request.name)
+            raise self._not_found(res, name)
         if self._wants_table(request):
-            return self._table(request.resource, [obj], obj["metadata"]["resourceVersion"])
+            return self._table(res, [obj], obj["metadata"]["resourceVersion"])
         return obj
 
     async def _serve_create(self, request: rendering.Request) -> Any:
         if request.subresource:
             raise _status(405, "MethodNotAllowed", f"POST to {request.subresource!r} is not supported by the emulator")
-        obj = await self.create(request.resource, request.namespace, request.data, params=dict(request.params))
+        obj = await self.create(_resource_of(request), request.namespace, request.data, params=dict(request.params))
         return rendering.Response(status=201, payload=obj)
 
     async def _serve_update(self, request: rendering.Request) -> Any:
@@ -873,7 +891,7 @@ class Emulator(kmock.KubernetesEmulator):
                 data = yaml.safe_load(request.text)
             except yaml.YAMLError as exc:
                 raise _status(400, "BadRequest", f"the patch is neither JSON nor YAML: {exc}") from None
-        return await self.update(request.resource, request.namespace, request.name, patch=data,
+        return await self.update(_resource_of(request), request.namespace, _name_of(request), patch=data,
                                  content_type=ctype, subresource=request.subresource, params=dict(request.params))
 
     async def _serve_replace(self, request: rendering.Request) -> Any:
@@ -913,14 +931,14 @@ class Emulator(kmock.KubernetesEmulator):
         return await self.delete(request.resource, request.namespace, request.name, propagation=propagation,
                                  params=dict(request.params))
 
-    async def _serve_watch(self, request: rendering.Request) -> rendering.Response:
+    # KMock renders a Response as well as a bare stream; the Response carries the content type.
+    async def _serve_watch(self, request: rendering.Request) -> rendering.Response:  # type: ignore[override]
         # kubectl decodes the stream by its content type (KMock's default is application/octet-stream).
         return rendering.Response(headers={"Content-Type": "application/json"}, payload=self._watch_stream(request))
 
     async def _watch_stream(self, request: rendering.Request) -> AsyncIterator[Any]:
         yield b""  # send the headers now: the client waits for them before it reads events
-        res = request.resource
-        self.info(res)
+        res = _resource_of(request)
         try:
             watcher = _Watcher(res, request.namespace if self.info(res).namespaced else None, request.name,
                                label_selector(request.params.get("labelSelector")),
@@ -948,12 +966,12 @@ class Emulator(kmock.KubernetesEmulator):
                 if remaining is not None and remaining <= 0:
                     return
                 try:
-                    event = await asyncio.wait_for(watcher.queue.get(), remaining)
+                    change = await asyncio.wait_for(watcher.queue.get(), remaining)
                 except asyncio.TimeoutError:
                     return
-                if event is None:  # the server is shutting down
+                if change is None:  # the server is shutting down
                     return
-                yield self._watch_event(res, event, table)
+                yield self._watch_event(res, change, table)
         finally:
             self._watchers.discard(watcher)
 

@@ -34,7 +34,7 @@ import kmock
 from kmock._internal import rendering
 from kmock._internal.k8s import KubernetesError
 
-from tests.kube.emulator import Emulator, _status
+from tests.kube.emulator import Emulator, _name_of, _resource_of, _status
 
 log = logging.getLogger("tests.kube.nodes")
 PODS = kmock.resource("v1/pods")
@@ -79,13 +79,13 @@ class NodeEmulator(Emulator):
 
     async def _evict(self, request: rendering.Request) -> Any:
         async with self._mutex:
-            pod = self._get(PODS, request.namespace, request.name)
+            pod = self._get(PODS, request.namespace, _name_of(request))
         if pod is None:
-            raise self._not_found(PODS, str(request.name))
+            raise self._not_found(PODS, _name_of(request))
         conds = [c for c in (pod.get("status") or {}).get("conditions") or () if c.get("type") != "DisruptionTarget"]
         conds.append({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
                       "message": "Eviction API: evicting", "lastTransitionTime": _iso(dt.datetime.now(dt.timezone.utc))})
-        await self.update(PODS, request.namespace, request.name, patch={"status": {"conditions": conds}},
+        await self.update(PODS, request.namespace, _name_of(request), patch={"status": {"conditions": conds}},
                           content_type=MERGE, subresource="status")
         grace = ((request.data or {}).get("deleteOptions") or {}).get("gracePeriodSeconds")
         await self._delete_pod(pod["metadata"]["namespace"], pod["metadata"]["name"], grace, None)
@@ -98,7 +98,7 @@ class NodeEmulator(Emulator):
             async for chunk in super()._watch_stream(request):
                 yield chunk
             return
-        res = request.resource
+        res = _resource_of(request)
         async with self._mutex:
             rv = str(self._rv)
             initial = self.list_objects(res, request.namespace, labels=request.params.get("labelSelector"),
