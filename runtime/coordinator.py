@@ -730,13 +730,17 @@ class JobCoordinator:
         mean = sum(rewards) / max(1, len(rewards))
         with self.lock:
             self.reward_mean = round(mean, 6)
+        # Per-rank series from what each rank measured and returned (its own loss, time and samples).
+        own = {o.get("worker"): o for o in train_out}
         for name in self.trainers:
             wm = self._wm(name, "trainer")
+            o = own.get(name, {})
             wm.trainer_step.set(self.weight_version)
-            wm.trainer_step_duration.observe(seconds)
+            wm.trainer_step_duration.observe(float(o.get("seconds", seconds)))
             wm.trainer_reward_mean.set(mean)
-            wm.trainer_samples.inc(len(samples) / max(1, len(self.trainers)))
-            wm.trainer_loss.set(sum(o["loss"] for o in train_out))
+            wm.trainer_samples.inc(int(o.get("samples", 0)))
+            if "loss" in o:
+                wm.trainer_loss.set(o["loss"])
             wm.weight_version.set(self.weight_version)
         self.cm.trainer_reward_mean.set(mean)
         self.cm.trainer_step.set(self.weight_version)

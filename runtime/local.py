@@ -68,6 +68,12 @@ def check_settings(settings, source: str = "<job>", name: str = ""):
         load_reward(settings.reward)
     except RewardLoadError as exc:
         raise JobError(f"{prefix}spec.reward.function: {exc}") from None
+    from specrl.runtime.models.hub import preflight
+
+    try:
+        preflight(settings)  # model folder, architecture, tokenizer, draft vocabulary, dtype on the device
+    except ValueError as exc:
+        raise JobError(f"{prefix}{exc}") from None
     if settings.sync_backend == "nccl" and not torch.cuda.is_available():
         # The local run is CPU-only: NCCL needs GPUs, gloo is the same protocol over TCP.
         settings = settings.replace(sync_backend="gloo")
@@ -224,6 +230,7 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
         "mode": settings.mode,
         "method": settings.method,
         "drafter_training": settings.drafter_training,
+        "checkpoint_dir": settings.checkpoint_dir,  # where `specrl export RUN_DIR OUT` finds the policy
         "reward_start": records[0]["reward_mean"] if records else None,
         "reward_end": records[-1]["reward_mean"] if records else None,
         "reward_per_step": [r["reward_mean"] for r in records],

@@ -43,8 +43,9 @@ def stats_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, 
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
 
 
-def load_problem_split(settings: RunSettings) -> tuple[list, list]:
-    """(training problems, held-out evaluation problems) for the job's dataset."""
+def load_problem_split(settings: RunSettings, style: str = "toy") -> tuple[list, list]:
+    """(training problems, held-out evaluation problems) for the job's dataset; `style` is the synthetic task's
+    prompt form ("toy" for the character-level builtins, "chat" for real models)."""
     from specrl.runtime.rl.task import BUILTIN_TASK, load_jsonl
 
     if settings.dataset in (BUILTIN_TASK, "builtin", "arithmetic"):
@@ -53,8 +54,9 @@ def load_problem_split(settings: RunSettings) -> tuple[list, list]:
         def held_out(p) -> bool:
             return zlib.crc32(p.prompt.encode()) % HELDOUT_BUCKETS == 0
 
-        train = _synthetic(settings, settings.seed, settings.dataset_size, lambda p: not held_out(p))
-        evals = _synthetic(settings, settings.seed + 10_000, settings.eval_size, held_out, distinct=True)
+        train = _synthetic(settings, settings.seed, settings.dataset_size, lambda p: not held_out(p), style=style)
+        evals = _synthetic(settings, settings.seed + 10_000, settings.eval_size, held_out, distinct=True,
+                           style=style)
         return train, evals
     problems = load_jsonl(settings.dataset, prompt_field=settings.prompt_field,
                           answer_field=settings.answer_field).problems
@@ -65,7 +67,8 @@ def load_problem_split(settings: RunSettings) -> tuple[list, list]:
 HELDOUT_BUCKETS = 8  # one expression in 8 is reserved for evaluation
 
 
-def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = False) -> list:
+def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = False,
+               style: str = "toy") -> list:
     """The first `n` problems of the seeded synthetic task that `keep` accepts (and, if `distinct`, whose
     prompt did not come earlier)."""
     from specrl.runtime.rl.task import SyntheticTask
@@ -74,7 +77,7 @@ def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = 
     while True:
         seen: set[str] = set()
         out = []
-        for p in SyntheticTask(size, settings.difficulty, seed):
+        for p in SyntheticTask(size, settings.difficulty, seed, style):
             if keep(p) and not (distinct and p.prompt in seen):
                 seen.add(p.prompt)
                 out.append(p)
@@ -83,18 +86,37 @@ def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = 
         size *= 2
 
 
+def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int) -> int:
+    """The context the engines must hold: twice (longest prompt of the job + completion budget).
+
+    Twice, because a ragged catch-up forward (a draft model feeding a just-joined prompt beside a long-running
+    row) addresses positions up to max(starts) + widest chunk, which can reach twice the longest sequence.
+    """
+    from specrl.runtime.rl.task import prompt_token_ids
+
+    return 2 * (max((len(prompt_token_ids(p, tokenizer)) for p in problems), default=1) + max_new_tokens + 1)
+
+
+def prompt_style(tokenizer: Any) -> str:
+    """The synthetic task's prompt form for this tokenizer: the toy form only for the character tokenizer."""
+    from specrl.runtime.rl.tokenizer import CharTokenizer
+
+    return "toy" if isinstance(tokenizer, CharTokenizer) else "chat"
+
+
 class RolloutWorker:
     def __init__(self, settings: RunSettings, name: str, metrics: Any = None) -> None:
         from specrl.runtime.engine import RolloutEngine, SpeculativeConfig
-        from specrl.runtime.models.bootstrap import load_policy
+        from specrl.runtime.models.hub import check_same_vocab, load_causal_lm, load_tokenizer
         from specrl.runtime.rl.reward import SafeReward
-        from specrl.runtime.rl.tokenizer import CharTokenizer
 
         torch.set_num_threads(max(1, settings.torch_threads))
         self.settings, self.name, self.metrics = settings, name, metrics
-        self.tokenizer = CharTokenizer()
-        self.problems, self.eval_problems = load_problem_split(settings)
+        self.tokenizer = load_tokenizer(settings.model, revision=settings.revision, chat=settings.chat_template,
+                                        system_prompt=settings.system_prompt, field="spec.model.name")
+        self.problems, self.eval_problems = load_problem_split(settings, prompt_style(self.tokenizer))
         self.reward = SafeReward.from_spec(settings.reward, on_error=self._reward_error)
+        self.last_number = settings.reward == "builtin:last_number"  # accuracy reads answers as the reward does
         self.calibration: dict | None = None
         self.model = self.draft = None
         self.vllm_updates: VLLMUpdates | None = None
@@ -105,17 +127,25 @@ class RolloutWorker:
             from specrl.runtime.devices import device_for
 
             device = device_for(settings.gpus_per_pod)
-            self.model = load_policy(settings.model)[0].to(device)
-            self.model.eval()
+            # The rollout copy holds the weights in spec.model.dtype (the trainer keeps float32 masters).
+            self.model = load_causal_lm(settings.model, settings.dtype, device, revision=settings.revision,
+                                        field="spec.model.name")
             if settings.method == "draft_model" and settings.draft_model:
-                self.draft = load_policy(settings.draft_model)[0].to(device)
-                self.draft.eval()
+                check_same_vocab(settings.model, settings.draft_model, revision=settings.revision)
+                self.draft = load_causal_lm(settings.draft_model, settings.dtype, device,
+                                            field="spec.speculative.draftModel")
             spec = SpeculativeConfig(method=settings.method, num_speculative_tokens=settings.num_speculative_tokens)
-            self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft)
+            # The static KV cache is preallocated per slot: size it to this job's prompts, not the model's context
+            # (SmolLM2's 8192 positions would cost ~190 MB per slot in float32).
+            self.max_model_len = max_model_len(self.problems + self.eval_problems, self.tokenizer,
+                                               settings.max_new_tokens)
+            self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft,
+                                        max_model_len=self.max_model_len)
             if settings.adaptive and settings.method != "none":
                 self._install_adaptive_controller()
             # Plain decoding on the same weights: the side-by-side baseline (and the SD-off path).
-            self.ar_engine = RolloutEngine(self.model, speculative=SpeculativeConfig(method="none"))
+            self.ar_engine = RolloutEngine(self.model, speculative=SpeculativeConfig(method="none"),
+                                           max_model_len=self.max_model_len)
         self.weight_version = 0
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
@@ -249,7 +279,8 @@ class RolloutWorker:
 
         s = self.settings
         return SamplingParams(temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p,
-                              max_new_tokens=s.max_new_tokens, stop_token_ids=[self.tokenizer.eos_id], seed=seed)
+                              top_k=0 if greedy else s.top_k, max_new_tokens=s.max_new_tokens,
+                              stop_token_ids=list(self.tokenizer.stop_ids), seed=seed)
 
     def generate(self, items: list[tuple[str, int]], step: int, use_sd: bool = True) -> dict[str, Any]:
         """Roll out `group_size` samples for each (prompt_id, dataset index); returns samples and stats."""
@@ -284,7 +315,7 @@ class RolloutWorker:
             samples.append(asdict(Sample(prompt_id=pid, prompt_ids=prompts[k], response_ids=ids,
                                          logprobs=[float(x) for x in out.logprobs], reward=reward,
                                          weight_version=version, finish_reason=str(out.finish_reason),
-                                         correct=is_correct(text, problem.answer))))
+                                         correct=is_correct(text, problem.answer, self.last_number))))
             tokens += len(ids)
             if self.metrics is not None:
                 self.metrics.response_length.observe(len(ids))
@@ -329,7 +360,7 @@ class RolloutWorker:
         seconds = time.perf_counter() - t0
         delta = stats_delta(stats_snapshot(engine.stats), before)
         tokens = [[int(t) for t in o.token_ids] for o in outs]
-        correct = [is_correct(self.tokenizer.decode(t), p.answer) for t, p in zip(tokens, problems)]
+        correct = [is_correct(self.tokenizer.decode(t), p.answer, self.last_number) for t, p in zip(tokens, problems)]
         return {"accuracy": sum(correct) / max(1, len(correct)), "correct": correct, "tokens": tokens,
                 "seconds": seconds, "generated": sum(len(t) for t in tokens), "stats": delta,
                 "weight_version": self.weight_version, "problems": len(problems) // repeat,

@@ -1,4 +1,4 @@
-"""Our own decode loop over a Hugging Face Llama/Qwen2 model's weights, on the static KV cache.
+"""Our own decode loop over a Hugging Face Llama/Qwen2/Qwen3 model's weights, on the static KV cache.
 
 HF's generic forward (DynamicCache, 4-D padding masks, output dataclasses) costs more Python time per step than
 the math itself for small models at small batch, which is exactly the long-tail regime speculative decoding is
@@ -166,6 +166,7 @@ class LayerWeights:
     gate_up: Callable[[torch.Tensor], torch.Tensor]
     down: Callable[[torch.Tensor], torch.Tensor]
     act: Callable[[torch.Tensor], torch.Tensor]
+    qk_norm: torch.Tensor | None = None  # Qwen3: per-head RMSNorm weights of q and k, [1, heads_q + heads_kv, 1, D]
 
 
 def _cat_bias(mods: list[nn.Linear]) -> torch.Tensor | None:
@@ -175,11 +176,18 @@ def _cat_bias(mods: list[nn.Linear]) -> torch.Tensor | None:
                                                                      device=m.weight.device) for m in mods])
 
 
+# model_type of the architectures this runner reproduces exactly (Llama, Qwen2, Qwen3 with q/k norm).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
 def decoder_of(model: nn.Module) -> nn.Module:
-    """The base decoder (LlamaModel/Qwen2Model) of a *ForCausalLM."""
+    """The base decoder (LlamaModel/Qwen2Model/Qwen3Model) of a *ForCausalLM."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
-        raise ValueError(f"model: expected a Llama/Qwen2-style causal LM, got {type(model).__name__}")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens") \
+            or model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model: the native engine runs {', '.join(SUPPORTED_MODEL_TYPES)} causal LMs, got "
+                         f"{type(model).__name__} (model_type {model_type!r})")
     return inner
 
 
@@ -190,6 +198,7 @@ class TransformerRunner:
                  dtype: str | torch.dtype | None = None) -> None:
         self.model = model
         self.int8 = int8
+        decoder_of(model)  # an unsupported architecture fails here, before any config field is read
         cfg = model.config
         layer_types = getattr(cfg, "layer_types", None) or []
         if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
@@ -249,6 +258,7 @@ class TransformerRunner:
                                   c(_cat_bias([mlp.gate_proj, mlp.up_proj]))),
                     down=dense(c(mlp.down_proj.weight), c(mlp.down_proj.bias)),
                     act=mlp.act_fn,
+                    qk_norm=self._qk_norm(at),
                 )
             )
         self.layers = layers
@@ -265,6 +275,14 @@ class TransformerRunner:
         self.cos_table = (emb.cos() * scale).to(self.dtype)
         self.sin_table = (emb.sin() * scale).to(self.dtype)
         self._signature = self._current_signature()
+
+    def _qk_norm(self, attn: nn.Module) -> torch.Tensor | None:
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is None or k_norm is None:
+            return None
+        w = torch.cat([q_norm.weight.detach().expand(self.num_heads, -1),
+                       k_norm.weight.detach().expand(self.num_kv_heads, -1)])
+        return w.view(1, self.num_heads + self.num_kv_heads, 1, self.head_dim)
 
     # ---- cache ---------------------------------------------------------------------------------------------
     def new_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> StaticKVCache:
@@ -314,6 +332,8 @@ class TransformerRunner:
             qkv = w.qkv(a)
             # Rotary on q and k in one pass (half the elementwise kernels of rotating them separately).
             qk = qkv[..., : qs + kvs].view(b, t, nh + nkv, d).transpose(1, 2)
+            if w.qk_norm is not None:  # Qwen3: RMSNorm of every q and k head before rotary
+                qk = F.rms_norm(qk, (d,), None, self.eps) * w.qk_norm
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[..., qs + kvs :].view(b, t, nkv, d).transpose(1, 2)

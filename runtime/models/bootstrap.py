@@ -433,7 +433,11 @@ def build_info(name_or_path: str | Path) -> dict:
 
 def ensure_models(names: Sequence[str], *, threads: int | None = None, force: bool = False,
                   progress: ProgressFn | None = None) -> dict[str, Path]:
-    return {n: ensure_built(resolve_recipe(n), threads=threads, force=force, progress=progress) for n in names}
+    """Build the toy builtins among `names` and convert the packaged checkpoints (builtin:smollm2-135m)."""
+    from specrl.runtime.models.hub import PACKAGED, resolve_model
+
+    return {n: resolve_model(n) if n.removeprefix("builtin:") in PACKAGED
+            else ensure_built(resolve_recipe(n), threads=threads, force=force, progress=progress) for n in names}
 
 
 # -- CLI ------------------------------------------------------------------------------------------------

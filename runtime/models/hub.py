@@ -299,3 +299,76 @@ def generation_eos_ids(path: Path) -> list[int]:
             if eos is not None:
                 return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
     return []
+
+
+def _vocab_fingerprint(tokenizer: Any) -> str:
+    from specrl.runtime.rl.tokenizer import CharTokenizer
+
+    if isinstance(tokenizer, CharTokenizer):
+        items = sorted(tokenizer.token_to_id.items())
+    else:
+        items = sorted(tokenizer.hf.get_vocab().items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def check_same_vocab(model: str | Path, draft: str | Path, *, revision: str | None = None,
+                     field: str = "spec.speculative.draftModel") -> None:
+    """A draft model must share the policy's tokenizer and logits width: one clear error otherwise."""
+    target_path = resolve_model(model, revision, field="spec.model.name")
+    draft_path = resolve_model(draft, field=field)
+    widths = [json.loads((p / "config.json").read_text()).get("vocab_size") for p in (target_path, draft_path)]
+    t_tok, d_tok = load_tokenizer(target_path), load_tokenizer(draft_path, field=field)
+    if widths[0] != widths[1] or _vocab_fingerprint(t_tok) != _vocab_fingerprint(d_tok):
+        raise ModelLoadError(
+            f"{field}: {draft} does not share the policy's vocabulary ({model}: {t_tok.vocab_size} tokens, logits "
+            f"{widths[0]}; {draft}: {d_tok.vocab_size} tokens, logits {widths[1]}); a draft model must use the "
+            "policy's tokenizer")
+
+
+def check_dtype_on_device(dtype: Any, device: Any, *, field: str = "spec.model.dtype") -> None:
+    """One tiny matmul in `dtype` on `device`: a dtype the device cannot run fails here, naming the field."""
+    import torch
+
+    dt = parse_dtype(dtype, field=field)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"{field}: device {dev} requested but this process sees no CUDA device")
+        if dt == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ModelLoadError(f"{field}: bfloat16 is not supported by {torch.cuda.get_device_name(dev)}; "
+                                 "use float16 or float32")
+    try:
+        x = torch.ones(4, 4, dtype=dt, device=dev)
+        (x @ x).sum().item()
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"{field}: {dt} cannot run on {dev} ({str(exc).splitlines()[0][:120]})") from None
+
+
+def preflight(settings: Any) -> None:
+    """Every model-side check of a job before any worker starts: dtype on the device, the policy folder
+    (weights, architecture, tokenizer), the draft model and its vocabulary. Raises one ModelLoadError /
+    ModelNotFoundError whose message starts with the spec field. Toy builtins not built yet are skipped (they
+    are valid by construction and get built next)."""
+    from specrl.runtime.models.bootstrap import is_complete, model_dir
+    from specrl.runtime.models.recipes import BUILTIN_RECIPES
+
+    from specrl.runtime.devices import device_for
+
+    check_dtype_on_device(settings.dtype, device_for(settings.gpus_per_pod))
+
+    def unbuilt_toy(name: str) -> bool:
+        key = name.removeprefix("builtin:")
+        return name.startswith("builtin:") and key in BUILTIN_RECIPES and not is_complete(
+            model_dir(BUILTIN_RECIPES[key]))
+
+    names = [(settings.model, "spec.model.name", settings.revision)]
+    if settings.method == "draft_model" and settings.draft_model:
+        names.append((settings.draft_model, "spec.speculative.draftModel", None))
+    for name, field, revision in names:
+        if unbuilt_toy(name):
+            continue
+        path = resolve_model(name, revision, field=field)
+        check_architecture(path, field=field)
+        load_tokenizer(path, field=field)
+    if len(names) == 2 and not any(unbuilt_toy(n) for n, _, _ in names):
+        check_same_vocab(settings.model, settings.draft_model, revision=settings.revision)

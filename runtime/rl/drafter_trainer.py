@@ -36,10 +36,13 @@ class DrafterTrainer:
 
     @classmethod
     def from_settings(cls, settings: RunSettings) -> DrafterTrainer:
-        from specrl.runtime.models.bootstrap import load_policy
+        from specrl.runtime.models.hub import load_causal_lm
 
         assert settings.draft_model
-        return cls(load_policy(settings.draft_model)[0], lr=settings.drafter_lr, seed=settings.seed)
+        # float32 master weights like the policy's (the rollout copies hold spec.model.dtype); the trainer moves
+        # it to its device
+        model = load_causal_lm(settings.draft_model, "float32", "cpu", field="spec.speculative.draftModel")
+        return cls(model, lr=settings.drafter_lr, seed=settings.seed)
 
     def add(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:
         for seq, n in zip(sequences, prompt_lens):

@@ -118,8 +118,26 @@ def grpo_loss(
         )
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(tokens[t] | logits[t]) with the sampling temperature applied, as the rollout engine does."""
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """log p(tokens[t]) under the distribution the rollout engine samples from and reports logprobs for.
+
+    The engine's `process_logits` (temperature, then top-k, then top-p, softmax, fp32) is applied here too, so
+    on-policy importance ratios are exactly 1 with top-k/top-p on (the mask is a function of the logits, the
+    gradient flows through the kept logits). Shapes: logits [..., V], tokens [...].
+    """
+    from specrl.runtime.engine.sampling import BatchSamplingTensors, SamplingParams, process_logits
+
+    if temperature <= 0:
+        raise ValueError(f"temperature: must be > 0 for RL log-probabilities, got {temperature!r}")
+    shape = tokens.shape
+    flat = logits.reshape(-1, logits.shape[-1])
+    st = BatchSamplingTensors.build([SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)],
+                                    flat.device).expand(flat.shape[0])
+    if not (st.any_top_k or st.any_top_p):  # log_softmax: the same numbers as log(softmax), more stable grads
+        scaled = flat.float() / temperature if temperature != 1.0 else flat.float()
+        return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.reshape(-1, 1)).view(shape)
+    picked = process_logits(flat, st).gather(-1, tokens.reshape(-1, 1))
+    # Padding positions may hold a token top-k/top-p removed (p = 0): the clamp keeps log and its gradient finite
+    # there; a sampled token always has p > 0 and never reaches the clamp.
+    return picked.clamp_min(torch.finfo(torch.float32).tiny).log().view(shape)

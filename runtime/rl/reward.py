@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str, str], float]
 
-BUILTIN_REWARDS = ("exact_match",)
+BUILTIN_REWARDS = ("exact_match", "last_number")
 
 
 class RewardLoadError(ValueError):
@@ -33,6 +33,11 @@ def exact_match(prompt: str, completion: str, answer: str) -> float:
     return 1.0 if is_correct(completion, answer) else 0.0
 
 
+def last_number(prompt: str, completion: str, answer: str) -> float:
+    """exact_match, except that a completion without an answer mark answers with its last number."""
+    return 1.0 if is_correct(completion, answer, last_number=True) else 0.0
+
+
 def load_reward(spec: str) -> RewardFn:
     """Resolve `builtin:exact_match` (or `exact_match`) or an installed `package.module:function`."""
     if not isinstance(spec, str) or not spec.strip():
@@ -40,7 +45,7 @@ def load_reward(spec: str) -> RewardFn:
     spec = spec.strip()
     name = spec.removeprefix("builtin:")
     if name in BUILTIN_REWARDS:
-        return exact_match
+        return last_number if name == "last_number" else exact_match
     if spec.startswith("builtin:"):
         raise RewardLoadError(f"reward: unknown builtin {spec!r}; builtins: {', '.join(BUILTIN_REWARDS)}")
     module_name, sep, attr = spec.partition(":")

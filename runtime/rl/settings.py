@@ -17,6 +17,9 @@ class RunSettings:
     namespace: str = "default"
     model: str = "builtin:tiny"
     dtype: str = "float32"
+    revision: str | None = None
+    chat_template: bool = True
+    system_prompt: str | None = None
     draft_model: str | None = "builtin:tiny-draft"
     method: str = "draft_model"
     num_speculative_tokens: int = 4
@@ -36,6 +39,9 @@ class RunSettings:
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
+    mini_batches: int = 1  # optimizer steps per RL step (PPO-style mini-batches)
+    epochs: int = 1        # passes over the step's samples
     mode: str = "sync"
     max_staleness: int = 0
     long_tail_fraction: float = 0.25
@@ -90,13 +96,16 @@ def settings_from_job(job: Any) -> RunSettings:
         d = ds.synthetic.difficulty
         dataset, size = "builtin:arithmetic", ds.synthetic.size
         difficulty = {"easy": d.easy, "medium": d.medium, "hard": d.hard}
-    reward = spec.reward.function if spec.reward.type == "function" else "builtin:exact_match"
+    reward = spec.reward.function if spec.reward.type == "function" else f"builtin:{spec.reward.type}"
     backend = spec.weight_sync.backend or ("nccl" if res.gpus_per_pod > 0 and _has_cuda() else "gloo")
     return RunSettings(
         job=job.metadata.name,
         namespace=job.metadata.namespace or "default",
         model=spec.model.name,
         dtype=spec.model.dtype,
+        revision=spec.model.revision,
+        chat_template=spec.model.chat_template,
+        system_prompt=spec.model.system_prompt,
         draft_model=sp.draft_model,
         method=sp.method,
         num_speculative_tokens=sp.num_speculative_tokens,
@@ -116,6 +125,9 @@ def settings_from_job(job: Any) -> RunSettings:
         max_new_tokens=alg.max_new_tokens,
         temperature=alg.temperature,
         top_p=alg.top_p,
+        top_k=alg.top_k,
+        mini_batches=alg.mini_batches,
+        epochs=alg.epochs,
         mode=spec.mode,
         max_staleness=spec.max_staleness,
         long_tail_fraction=spec.elastic.long_tail_fraction,
@@ -132,6 +144,7 @@ def settings_from_job(job: Any) -> RunSettings:
         checkpoint_keep=spec.checkpoint.keep,
         seed=alg.seed,
         eval_every=alg.eval_every,
+        eval_size=alg.eval_size,
         extra={"speculative": sp.model_dump(by_alias=True, exclude_none=True)},
     )
 

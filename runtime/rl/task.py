@@ -111,11 +111,15 @@ class SyntheticTask(Sequence[Problem]):
     Problem `i` depends only on (seed, i), so a larger task extends a smaller one with the same seed.
     """
 
-    def __init__(self, size: int, difficulty: Mapping[str, float] | None = None, seed: int = 0) -> None:
+    def __init__(self, size: int, difficulty: Mapping[str, float] | None = None, seed: int = 0,
+                 style: str = "toy") -> None:
         if not isinstance(size, int) or size < 0:
             raise ValueError(f"size: must be an integer >= 0, got {size!r}")
+        if style not in PROMPT_STYLES:
+            raise ValueError(f"style: must be one of {', '.join(PROMPT_STYLES)}, got {style!r}")
         self.size = size
         self.seed = seed
+        self.style = style
         self.mix = _validate_mix(difficulty)
         self._levels = list(self.mix)
         self._weights = [self.mix[k] for k in self._levels]
@@ -127,7 +131,7 @@ class SyntheticTask(Sequence[Problem]):
         lo, hi = DIFFICULTY_OPS[level]
         expression = _render(_random_expression(rng, rng.randint(lo, hi)))
         solution, answer = worked_solution(expression)
-        return Problem(id=f"arith-{self.seed}-{i}", prompt=format_prompt(expression), answer=answer,
+        return Problem(id=f"arith-{self.seed}-{i}", prompt=format_prompt(expression, self.style), answer=answer,
                        solution=solution, difficulty=level)
 
     def __len__(self) -> int:
@@ -140,19 +144,31 @@ class SyntheticTask(Sequence[Problem]):
         return iter(self.problems)
 
 
-def format_prompt(expression: str) -> str:
+# "toy": the compact form the builtin toy policies are trained on; "chat": a question a pretrained instruct
+# model understands (it answers "The answer is 12." — see `extract_answer`).
+PROMPT_STYLES = ("toy", "chat")
+
+
+def format_prompt(expression: str, style: str = "toy") -> str:
+    if style == "chat":
+        return f"What is {expression}? Answer with just the number."
     return f"Q:{expression}=?"
 
 
-def prompt_token_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
-    """What the policy is conditioned on: BOS + prompt text (the response follows directly)."""
-    return tokenizer.encode(problem.prompt, add_bos=True)
+def prompt_token_ids(problem: Problem, tokenizer) -> list[int]:
+    """What the policy is conditioned on: BOS + prompt text for the toy models, the chat template (or the raw
+    text, as the spec says) for real ones — the tokenizer knows which (`CharTokenizer`/`HFTokenizer`)."""
+    return tokenizer.prompt_ids(problem.prompt)
 
 
 # -- answers --------------------------------------------------------------------------------------------
 
-_ANSWER_RE = re.compile(r"A:\s*(-?[\d,]*\.?\d+)")
-_GSM8K_RE = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+_NUMBER = r"(-?[\d,]*\.?\d+)"
+_ANSWER_RE = re.compile(r"A:\s*" + _NUMBER)
+_GSM8K_RE = re.compile(r"####\s*\$?\s*" + _NUMBER)
+_BOXED_RE = re.compile(r"\\boxed\{\s*\$?" + _NUMBER + r"\s*\}")
+_ANSWER_IS_RE = re.compile(r"[Aa]nswer is:?\s*\$?\s*" + _NUMBER)
+_ANY_NUMBER_RE = re.compile(_NUMBER)
 
 
 def normalize_answer(text: str) -> str:
@@ -167,21 +183,25 @@ def normalize_answer(text: str) -> str:
     return s
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer in a response: the last `A:<number>`, else the last GSM8K `#### <number>`."""
-    for pattern in (_ANSWER_RE, _GSM8K_RE):
+def extract_answer(text: str, last_number: bool = False) -> str | None:
+    """The final answer in a response: the last `A:<number>`, else GSM8K's `#### <number>`, else `\\boxed{<n>}`,
+    else "the answer is <number>" (how instruct models state it).
+    With `last_number`, a response without any of these marks answers with its last number ("5 + 1 = 6" -> 6):
+    how a small instruct model replies to "Answer with just the number."
+    """
+    for pattern in (_ANSWER_RE, _GSM8K_RE, _BOXED_RE, _ANSWER_IS_RE) + ((_ANY_NUMBER_RE,) if last_number else ()):
         found = pattern.findall(text)
         if found:
             return normalize_answer(found[-1])
     return None
 
 
-def is_correct(response: str, answer: str) -> bool:
-    predicted = extract_answer(response)
+def is_correct(response: str, answer: str, last_number: bool = False) -> bool:
+    predicted = extract_answer(response, last_number)
     return predicted is not None and predicted == normalize_answer(answer)
 
 
-def response_lengths(problems: Sequence[Problem], tokenizer: CharTokenizer | None = None) -> list[int]:
+def response_lengths(problems: Sequence[Problem], tokenizer=None) -> list[int]:
     """Token lengths of the worked solutions (+1 for EOS): the reference response-length distribution."""
     tok = tokenizer or CharTokenizer()
     return [len(tok.encode(p.solution or "")) + 1 for p in problems]

@@ -70,11 +70,80 @@ def pad_batch(samples: list[Sample], pad_id: int = 0) -> dict[str, torch.Tensor]
             "behaviour": behaviour, "advantages": adv}
 
 
-def response_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+def response_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float, top_k: int = 0,
+                      top_p: float = 1.0, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Log-probs of the response tokens under the processed sampling distribution (as the rollout engine's).
+
+    `compute_dtype` (bfloat16/float16): forward under autocast in that dtype; the weights stay as they are.
+    """
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    with torch.autocast(device.type, dtype=compute_dtype or torch.float32,
+                        enabled=compute_dtype not in (None, torch.float32)):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     idx = batch["positions"].unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     picked = logits.gather(1, idx)  # [B, R, V]
-    return token_logprobs(picked, batch["response"], temperature)
+    return token_logprobs(picked, batch["response"], temperature, top_k, top_p)
+
+
+POLICY_DIR, DRAFTER_DIR = "policy", "drafter"
+CHECKPOINT_FORMAT = 2  # 1: one torch.save pickle; 2: HF folders + trainer.pt
+
+
+def save_hf_folder(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+    """`model` (+ its tokenizer) as a Hugging Face folder, written to a temporary sibling and renamed into place.
+
+    The state is copied out first: the trainer's parameters are views of one flat buffer (weight sync), which
+    safetensors refuses to write as shared storage.
+    """
+    import shutil
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def load_hf_weights(folder: Path, like: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict saved in `folder` by `save_hf_folder`, with tied weights filled in from `like`."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no safetensors weights in this checkpoint")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    own = like.state_dict()
+    for k in own:  # tied weights (lm_head = embed_tokens) are stored once
+        if k not in state:
+            tied = _tied_source(like, k)
+            if tied is None or tied not in state:
+                raise KeyError(f"{folder}: checkpoint lacks {k}")
+            state[k] = state[tied]
+    return state
+
+
+def _tied_source(model: torch.nn.Module, key: str) -> str | None:
+    params = model.state_dict(keep_vars=True)
+    target = params[key]
+    for k, v in params.items():
+        if k != key and v is target:
+            return k
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if out is not None and inp is not None and key.endswith("lm_head.weight"):
+        for k, v in params.items():
+            if v is inp.weight:
+                return k
+    return None
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -127,7 +196,7 @@ class TrainerWorker:
     def __init__(self, settings: RunSettings, rank: int = 0, world_size: int = 1, name: str | None = None,
                  metrics: Any = None) -> None:
         from specrl.runtime.devices import device_for
-        from specrl.runtime.models.bootstrap import load_policy
+        from specrl.runtime.models.hub import load_causal_lm, load_tokenizer, parse_dtype
 
         torch.set_num_threads(max(1, settings.torch_threads))
         self.settings, self.rank, self.world_size = settings, rank, world_size
@@ -137,11 +206,18 @@ class TrainerWorker:
         torch.manual_seed(settings.seed)
         random.seed(settings.seed)
         np.random.seed(settings.seed)
-        self.model = load_policy(settings.model)[0].to(self.device)
+        # Mixed precision: float32 master weights and optimizer state (bf16/fp16 weights would swallow small
+        # updates), forward and backward in spec.model.dtype under autocast.
+        self.compute_dtype = parse_dtype(settings.dtype, field="spec.model.dtype")
+        self.model = load_causal_lm(settings.model, torch.float32, self.device, revision=settings.revision,
+                                    field="spec.model.name")
         self.model.train()
+        self.tokenizer = load_tokenizer(settings.model, revision=settings.revision, chat=settings.chat_template,
+                                        system_prompt=settings.system_prompt, field="spec.model.name")
         self.ref_model = None
         if settings.kl_coef > 0:
-            self.ref_model = load_policy(settings.model)[0].to(self.device)
+            self.ref_model = load_causal_lm(settings.model, self.compute_dtype, self.device,
+                                            revision=settings.revision, field="spec.model.name")
             self.ref_model.eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr, betas=(0.9, 0.99),
                                            weight_decay=0.0, eps=1e-8)
@@ -218,43 +294,67 @@ class TrainerWorker:
 
     # -- training -------------------------------------------------------------------------------------
 
-    def train_step(self, samples: list[Sample], step: int, total_tokens: int) -> dict[str, float]:
-        """One GRPO update on this rank's shard; returns loss statistics (summed over this rank's shard)."""
+    def _logprobs(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        s = self.settings
+        return response_logprobs(model, batch, s.temperature, s.top_k, s.top_p, self.compute_dtype)
+
+    def train_step(self, samples: list[Sample], step: int, total_tokens: int) -> dict[str, Any]:
+        """One RL step on this rank's shard: `epochs` passes of `mini_batches` optimizer steps each (PPO-style;
+        1 x 1 = one update). Returns this rank's own statistics, measured here (loss summed over its shard)."""
         t0 = time.perf_counter()
         s = self.settings
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "behaviour_weight": 0.0, "tokens": 0}
         async_mode = s.mode == "async"
-        for start in range(0, len(samples), max(1, s.micro_batch)):
-            micro = samples[start:start + s.micro_batch]
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in pad_batch(micro).items()}
-            logp = response_logprobs(self.model, batch, s.temperature)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = response_logprobs(self.ref_model, batch, s.temperature)
-            # One optimizer step per batch: the proximal policy is the current weights before this update,
-            # i.e. the detached logprobs. Only async mode needs it (behaviour == proximal in sync mode).
-            out = grpo_loss(logp, batch["behaviour"], batch["advantages"], batch["mask"], self.loss_config,
-                            proximal_logprobs=logp.detach() if async_mode else None, ref_logprobs=ref,
-                            total_tokens=max(1, total_tokens))
-            out.loss.backward()
-            w = out.tokens
-            stats["loss"] += float(out.loss.detach())
-            stats["clip_fraction"] += out.clip_fraction * w
-            stats["kl"] += out.kl * w
-            stats["behaviour_weight"] += out.mean_behaviour_weight * w
-            stats["tokens"] += w
-        self._all_reduce_grads()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
-        self.optimizer.step()
+        # The same number of updates on every rank (each one all-reduces), even when a shard is small.
+        n_mb, epochs = max(1, s.mini_batches), max(1, s.epochs)
+        updates = epochs * n_mb
+        mini_batches = [samples[i::n_mb] for i in range(n_mb)]  # interleaved: every mini-batch sees all groups
+        # Every rank divides by the same global count, so the summed gradient is the single-process one; with
+        # mini-batches each update sees about 1/n_mb of the step's tokens.
+        denom = max(1, round(total_tokens / n_mb))
+        micro = max(1, s.micro_batch)
+        proximal: dict[int, torch.Tensor] = {}
+        if async_mode and updates > 1:
+            # The proximal policy is the weights at the start of this step, for every update of the step.
+            with torch.no_grad():
+                for m, mb in enumerate(mini_batches):
+                    for j, start in enumerate(range(0, len(mb), micro)):
+                        proximal[m * 1_000_000 + j] = self._logprobs(self.model, pad_batch(mb[start:start + micro]))
+        grad_norms = []
+        for _epoch in range(epochs):
+            for m, mb in enumerate(mini_batches):
+                self.optimizer.zero_grad(set_to_none=True)
+                for j, start in enumerate(range(0, len(mb), micro)):
+                    batch = {k: v.to(self.device) for k, v in pad_batch(mb[start:start + micro]).items()}
+                    logp = self._logprobs(self.model, batch)
+                    ref = None
+                    if self.ref_model is not None:
+                        with torch.no_grad():
+                            ref = self._logprobs(self.ref_model, batch)
+                    # Sync mode: proximal == behaviour (the rollout weights are this step's start weights).
+                    prox = (proximal[m * 1_000_000 + j] if proximal else logp.detach()) if async_mode else None
+                    out = grpo_loss(logp, batch["behaviour"], batch["advantages"], batch["mask"], self.loss_config,
+                                    proximal_logprobs=prox, ref_logprobs=ref, total_tokens=denom)
+                    out.loss.backward()
+                    w = out.tokens
+                    stats["loss"] += float(out.loss.detach()) / epochs
+                    stats["clip_fraction"] += out.clip_fraction * w
+                    stats["kl"] += out.kl * w
+                    stats["behaviour_weight"] += out.mean_behaviour_weight * w
+                    stats["tokens"] += w
+                self._all_reduce_grads()
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)))
+                self.optimizer.step()
         self.step = step + 1
         self.weight_version = step + 1
         n = max(1, stats["tokens"])
+        seconds = time.perf_counter() - t0
         result = {"loss": stats["loss"], "clip_fraction": stats["clip_fraction"] / n, "kl": stats["kl"] / n,
-                  "behaviour_weight": stats["behaviour_weight"] / n, "tokens": stats["tokens"],
-                  "grad_norm": grad_norm, "seconds": time.perf_counter() - t0, "weight_version": self.weight_version}
+                  "behaviour_weight": stats["behaviour_weight"] / n, "tokens": stats["tokens"] // epochs,
+                  "grad_norm": grad_norms[-1], "grad_norms": grad_norms, "updates": updates, "seconds": seconds,
+                  "tokens_per_s": stats["tokens"] / seconds if seconds > 0 else 0.0, "samples": len(samples),
+                  "weight_version": self.weight_version, "worker": self.name, "rank": self.rank}
         if self.metrics is not None:
             self.metrics.trainer_step.set(self.step)
             self.metrics.trainer_step_duration.observe(result["seconds"])
@@ -386,15 +486,21 @@ class TrainerWorker:
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str, cursor: dict[str, Any]) -> str:
-        """Rank 0 writes weights + optimizer + cursor; every rank writes its own RNG state."""
+        """Rank 0 writes `policy/` (and `drafter/`) as Hugging Face folders (safetensors + config + tokenizer,
+        loadable by `AutoModelForCausalLM.from_pretrained` unchanged) and `trainer.pt` beside them (optimizer,
+        step, weight version, data cursor, drafter optimizer/buffer); every rank writes its own RNG state.
+        `trainer.pt` is written last, by rename: its presence marks the checkpoint complete."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(), d / f"rng-rank{self.rank}.pt")
         if self.rank == 0:
-            payload = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                       "step": self.step, "weight_version": self.weight_version, "cursor": cursor}
+            save_hf_folder(self.model, self.tokenizer, d / POLICY_DIR)
+            payload: dict[str, Any] = {"optimizer": self.optimizer.state_dict(), "step": self.step,
+                                       "weight_version": self.weight_version, "cursor": cursor,
+                                       "format": CHECKPOINT_FORMAT}
             if self.drafter is not None:
-                payload["drafter"] = self.drafter.state_dict()
+                save_hf_folder(self.drafter.model, self.tokenizer, d / DRAFTER_DIR)
+                payload["drafter"] = {k: v for k, v in self.drafter.state_dict().items() if k != "model"}
             tmp = d / "trainer.pt.tmp"
             torch.save(payload, tmp)
             os.replace(tmp, d / "trainer.pt")  # atomic: a crash mid-save never leaves a torn checkpoint
@@ -403,12 +509,13 @@ class TrainerWorker:
     def load_checkpoint(self, directory: str) -> dict[str, Any]:
         d = Path(directory)
         payload = torch.load(d / "trainer.pt", weights_only=False)
-        self.model.load_state_dict(payload["model"])
+        self.model.load_state_dict(load_hf_weights(d / POLICY_DIR, self.model))
         self.optimizer.load_state_dict(payload["optimizer"])
         self.step = int(payload["step"])
         self.weight_version = int(payload["weight_version"])
-        if self.drafter is not None and "drafter" in payload:
-            self.drafter.load_state_dict(payload["drafter"])
+        if self.drafter is not None and "drafter" in payload and (d / DRAFTER_DIR).is_dir():
+            self.drafter.load_state_dict({**payload["drafter"],
+                                          "model": load_hf_weights(d / DRAFTER_DIR, self.drafter.model)})
         rng = d / f"rng-rank{self.rank}.pt"
         if rng.exists():
             _set_rng_state(torch.load(rng, weights_only=False))

@@ -105,3 +105,37 @@ def test_smollm2_greedy_answer_is_english(smollm2, smollm2_tok):
     ids = smollm2_tok.prompt_ids("What is the capital of France?")
     out = smollm2.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     assert "Paris" in smollm2_tok.decode(out[0, len(ids):].tolist())
+
+
+def test_draft_with_another_vocabulary_is_refused_before_workers_start(tmp_path, smollm2_path):
+    from specrl.runtime.rl.settings import RunSettings
+    from specrl.runtime.rl.tokenizer import CharTokenizer
+
+    _tiny_llama_folder(tmp_path)
+    CharTokenizer().save_pretrained(tmp_path)
+    settings = RunSettings(model="builtin:smollm2-135m", method="draft_model", draft_model=str(tmp_path))
+    with pytest.raises(ModelLoadError, match=r"spec.speculative.draftModel: .* does not share the policy's vocabulary"):
+        hub.preflight(settings)
+
+
+def test_device_the_process_cannot_use_names_the_dtype_field():
+    if torch.cuda.is_available():
+        pytest.skip("this check is about a CPU-only process")
+    with pytest.raises(ModelLoadError, match=r"spec.model.dtype: device cuda:0 requested but this process sees no CUDA"):
+        hub.check_dtype_on_device("bfloat16", "cuda:0")
+    hub.check_dtype_on_device("bfloat16", "cpu")  # runs here
+
+
+def test_specrl_run_reports_a_folder_without_weights_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {{name: bad}}\n"
+                   f"spec: {{model: {{name: {tmp_path / 'empty'}}}, speculative: {{method: none}}}}\n")
+    out = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "run", str(job)], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "spec.model.name:" in out.stderr and "has no weights" in out.stderr

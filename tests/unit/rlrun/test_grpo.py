@@ -113,3 +113,13 @@ def test_token_logprobs_temperature():
     tok = torch.tensor([0])
     assert float(token_logprobs(logits, tok)) == pytest.approx(math.log(math.exp(2) / (math.exp(2) + 1)))
     assert float(token_logprobs(logits, tok, 2.0)) == pytest.approx(math.log(math.e / (math.e + 1)))
+
+
+def test_token_logprobs_with_top_k_top_p_have_finite_gradients_on_removed_tokens():
+    logits = torch.tensor([[3.0, 2.0, -1.0, -5.0]], requires_grad=True)
+    tokens = torch.tensor([3])  # removed by top-k 2 (a padding position can hold such a token)
+    lp = token_logprobs(logits, tokens, 1.0, top_k=2, top_p=0.9)
+    (lp * 0.0).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    kept = token_logprobs(logits, torch.tensor([0]), 1.0, top_k=2)
+    assert float(kept) == pytest.approx(math.log(math.exp(3) / (math.exp(3) + math.exp(2))), rel=1e-6)
