@@ -71,6 +71,6 @@ def main(args: argparse.Namespace) -> int:
         out = export_policy(args.source, args.out, args.dtype)
     except (ExportError, ValueError) as exc:
         print(f"specrl export: {exc}", file=sys.stderr)
-        return 2
+        return 1  # invalid input (see `specrl --help`)
     print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0

@@ -349,10 +349,9 @@ def preflight(settings: Any) -> None:
     (weights, architecture, tokenizer), the draft model and its vocabulary. Raises one ModelLoadError /
     ModelNotFoundError whose message starts with the spec field. Toy builtins not built yet are skipped (they
     are valid by construction and get built next)."""
+    from specrl.runtime.devices import device_for
     from specrl.runtime.models.bootstrap import is_complete, model_dir
     from specrl.runtime.models.recipes import BUILTIN_RECIPES
-
-    from specrl.runtime.devices import device_for
 
     check_dtype_on_device(settings.dtype, device_for(settings.gpus_per_pod))
 
