@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from scipy import stats
+from scipy import stats  # type: ignore[import-untyped]
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
 from specrl.runtime.engine.model_runner import TransformerRunner
 
@@ -77,7 +77,7 @@ def _draft_from_first_layers(model, layers: int = 6):
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "layer_skip", "quantized_self", "eagle"])
 def test_greedy_speculation_equals_plain_decoding(method, smollm2, smollm2_tok):
     prompts = [smollm2_tok.prompt_ids(t) for t in CHAT]
-    params = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=list(smollm2_tok.stop_ids))
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=tuple(smollm2_tok.stop_ids))
     plain = RolloutEngine(smollm2, max_model_len=MAX_LEN).generate(prompts, params)
     draft = _draft_from_first_layers(smollm2) if method == "draft_model" else None
     engine = RolloutEngine(smollm2, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,

@@ -16,7 +16,7 @@ from specrl.runtime.rl.trainer import Sample, TrainerWorker, pad_batch, weights_
 
 pytestmark = pytest.mark.slow
 
-SAMPLING = {"temperature": 1.0, "top_k": 20, "top_p": 0.9}
+TEMPERATURE, TOP_K, TOP_P = 1.0, 20, 0.9
 PROMPTS = ["What is 3+4? Answer with just the number.", "What is 9-2? Answer with just the number."]
 
 
@@ -24,7 +24,7 @@ PROMPTS = ["What is 3+4? Answer with just the number.", "What is 9-2? Answer wit
 def settings():
     return RunSettings(model="builtin:smollm2-135m", draft_model=None, method="none", group_size=2,
                        prompts_per_step=2, max_new_tokens=10, lr=1e-5, micro_batch=4, drafter_training=False,
-                       torch_threads=2, **SAMPLING)
+                       torch_threads=2, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,8 @@ def rollout(smollm2):
 
 def _samples(engine: RolloutEngine, tok, seed: int, rewards=(1.0, 0.0, 0.0, 1.0)) -> list[Sample]:
     prompts = [tok.prompt_ids(p) for p in PROMPTS for _ in range(2)]
-    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=10, seed=seed + i,
-                                                    stop_token_ids=list(tok.stop_ids), **SAMPLING)
+    outs = engine.generate(prompts, [SamplingParams(max_new_tokens=10, seed=seed + i, stop_token_ids=tuple(tok.stop_ids),
+                                                    temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
                                      for i in range(len(prompts))])
     adv = group_advantages(torch.tensor(rewards), 2).tolist()
     return [Sample(prompt_id=f"p{i // 2}", prompt_ids=p, response_ids=list(o.token_ids), logprobs=list(o.logprobs),
