@@ -136,7 +136,7 @@ def test_grpo_raises_the_reward_of_a_real_job(local_ray, micro):
     """
     from micro import micro_settings
 
-    s = micro_settings(steps=20, prompts_per_step=8, group_size=4, lr=2e-2, reward="rewards_for_tests:starts_with_digit",
+    s = micro_settings(steps=20, prompts_per_step=8, group_size=4, lr=1e-2, reward="rewards_for_tests:starts_with_digit",
                        drafter_training=False, eval_size=4, eval_every=10)
     coord = JobCoordinator(s)
     try:
