@@ -96,10 +96,18 @@ METRICS: tuple[MetricSpec, ...] = (
                "Response length of finished rollout sequences in tokens.", RESPONSE_LENGTH_BUCKETS),
     MetricSpec("prompts_requeued", "specrl_rollout_prompts_requeued_total", "counter",
                "Prompts put back in the queue because their worker was drained or died."),
+    MetricSpec("prompts_dropped", "specrl_rollout_prompts_dropped_total", "counter",
+               "Prompts dropped because their rollout raised more than promptRetries + 1 times."),
+    MetricSpec("rollout_task_errors", "specrl_rollout_task_errors_total", "counter",
+               "Rollout chunks whose generate raised while the worker stayed alive (a bug or a bad prompt)."),
+    MetricSpec("rollout_chunk_timeouts", "specrl_rollout_chunk_timeouts_total", "counter",
+               "Rollout workers retired because one chunk ran longer than rolloutChunkTimeoutSeconds."),
     MetricSpec("weight_staleness", "specrl_rollout_weight_staleness_versions", "gauge",
                "Policy versions the rollout weights lag behind the trainer (async mode)."),
     MetricSpec("reward_errors", "specrl_reward_errors_total", "counter",
                "Reward function calls that raised; the sample got reward 0."),
+    MetricSpec("reward_timeouts", "specrl_reward_timeouts_total", "counter",
+               "Reward function calls that ran longer than reward.timeoutSeconds; the sample got reward 0."),
     MetricSpec("dataset_malformed_lines", "specrl_dataset_malformed_lines_total", "counter",
                "Dataset lines skipped because they could not be parsed."),
     # speculative decoding (names mirror vLLM's vllm:spec_decode_* family)
@@ -198,6 +206,10 @@ class RuntimeMetrics:
     sequences_completed: Counter
     response_length: Histogram
     prompts_requeued: Counter
+    prompts_dropped: Counter
+    rollout_task_errors: Counter
+    rollout_chunk_timeouts: Counter
+    reward_timeouts: Counter
     weight_staleness: Gauge
     reward_errors: Counter
     dataset_malformed_lines: Counter

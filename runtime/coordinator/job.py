@@ -6,7 +6,7 @@ itself a Ray actor on a local Ray instance; in a cluster it runs in the coordina
 head, and places each worker's actor on that worker's pod (placement.py). The same `run_step` runs both.
 
 One RL step:
-1. the step's prompts (ids `s{step}-p{index}`) enter the ledger's queue;
+1. the step's prompt draws (ids `s{step}-p{draw}`) enter the ledger's queue;
 2. idle rollout workers get chunks of prompts (only when their weights are fresh enough: version n for
    step n in sync mode, at most `maxStaleness` versions old in async mode);
 3. when the queue is empty and few sequences are left (the long tail) the trainer, idle until its samples
@@ -38,11 +38,10 @@ from specrl.runtime.coordinator.weight_sync import WeightSync
 from specrl.runtime.rl.settings import RunSettings
 from specrl.runtime.scheduling import (
     Phase,
-    PromptItem,
     PromptLedger,
     WorkerState,
     is_long_tail,
-    prompt_id,
+    step_items,
     step_prompt_indices,
 )
 
@@ -229,9 +228,8 @@ class JobCoordinator:
         if step in self.pool.results or step >= self.settings.steps:
             return
         s = self.settings
-        idx = step_prompt_indices(step, s.prompts_per_step, self.dataset_size, s.seed)
         with self.lock:
-            self.ledger.enqueue(PromptItem(prompt_id(step, i), step, i) for i in idx)
+            self.ledger.enqueue(step_items(step, s.prompts_per_step, self.dataset_size, s.seed))
         self.pool.open_step(step)
 
     def _set_phase(self, phase: Phase) -> None:
@@ -252,6 +250,11 @@ class JobCoordinator:
         drafter_info = self.drafter.finish()
 
         samples = training_batch(self.pool.results[step], s.group_size)
+        if not samples:
+            with self.lock:
+                reasons = sorted({r for pid, r in self.ledger.dropped.items() if pid.startswith(f"s{step}-")})
+            raise RuntimeError(f"every prompt of step {step} was dropped after failing its rollout: "
+                               f"{'; '.join(reasons)[:300]}")
         with self.lock:
             self.phase = Phase.TRAINING
             self.trainer_backlog = len(samples)
@@ -333,8 +336,8 @@ class JobCoordinator:
     def _record(self, step: int, samples: list[dict], train_out: list[dict], times: StepTimes, sync_info: dict,
                 drafter_info: dict) -> dict:
         rec = build_record(step, self.settings.group_size, samples, self.pool.chunk_stats.get(step, []), train_out,
-                           times, sync_info, drafter_info, reward_errors=sum(self.pool.reward_errors.values()),
-                           requeued=self.ledger.requeued,
+                           times, sync_info, drafter_info, reward_errors=self.pool.reward_count("reward_errors"),
+                           requeued=self.ledger.requeued, dropped=len(self.ledger.dropped),
                            workers={"rollout": len(self.pool.schedulable()), "trainer": len(self.trainers)})
         with self.lock:
             self.sd_enabled = bool(rec.sd_share) if rec.sd_share is not None else self.settings.method != "none"
@@ -396,7 +399,7 @@ class JobCoordinator:
         with self.lock:
             led = self.ledger
             return {"issued": led.issued, "trained": len(led.trained), "lost": led.lost(),
-                    "requeued": led.requeued, "queued": len(led.queue), "in_flight": led.in_flight_count(),
+                    "requeued": led.requeued, "dropped": len(led.dropped), "queued": len(led.queue), "in_flight": led.in_flight_count(),
                     "completed": len(led.completed), "trained_ids": sorted(led.trained)}
 
     def worker_names(self) -> dict[str, list[str]]:

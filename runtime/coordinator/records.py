@@ -38,6 +38,7 @@ class StepRecord:
     staleness_max: int = 0
     reward_errors: int = 0
     requeued: int = 0
+    dropped: int = 0  # prompts dropped so far (their rollout raised promptRetries + 1 times)
     workers: dict[str, int] = field(default_factory=dict)
     eval_accuracy: float | None = None  # held-out greedy accuracy after this step (spec.algorithm.evalEvery)
     eval_seconds: float | None = None
@@ -71,7 +72,7 @@ def sd_share(agg: dict[str, float]) -> float | None:
 
 def build_record(step: int, group_size: int, samples: list[dict], chunks: list[dict], train_out: list[dict],
                  times: StepTimes, sync_info: dict, drafter_info: dict, *, reward_errors: int, requeued: int,
-                 workers: dict[str, int]) -> StepRecord:
+                 dropped: int, workers: dict[str, int]) -> StepRecord:
     agg = chunk_totals(chunks)
     tokens = sum(len(x["response_ids"]) for x in samples)
     rewards = [x["reward"] for x in samples]
@@ -90,7 +91,7 @@ def build_record(step: int, group_size: int, samples: list[dict], chunks: list[d
         loss=sum(o["loss"] for o in train_out),
         clip_fraction=sum(o["clip_fraction"] for o in train_out) / max(1, len(train_out)),
         staleness_max=max((step - x["weight_version"] for x in samples), default=0),
-        reward_errors=reward_errors, requeued=requeued, workers=workers,
+        reward_errors=reward_errors, requeued=requeued, dropped=dropped, workers=workers,
     )
 
 

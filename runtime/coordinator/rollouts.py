@@ -2,7 +2,15 @@
 
 Idle active workers get chunks of the queue's front step when their weights are fresh enough (`may_rollout`).
 A draining worker gets no new chunk; the chunk it holds is its safe point — when it returns, the worker retires.
-A worker that dies has its chunk requeued at the front of the queue.
+
+Failures are told apart by what Ray reports:
+- worker death (the actor or its node is gone: `RayActorError`, a crashed worker process, a lost node): the
+  worker retires and its chunk goes back to the front of the queue, uncounted against the prompts;
+- task error (the worker is alive, its `generate` raised: a bug, one bad prompt): the worker stays; every
+  prompt of the chunk counts one failure and is retried alone, at most `promptRetries` times, then dropped
+  with a counted reason, and the step trains without it;
+- a chunk held longer than `rolloutChunkTimeoutSeconds`: the worker is hung; it is killed and retired, its
+  chunk requeued, the timeout counted.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ class RolloutPool:
         self.results: dict[int, list[dict]] = {}  # step -> samples returned so far
         self.chunk_stats: dict[int, list[dict]] = {}
         self.dead: set[str] = set()
-        self.reward_errors: dict[str, int] = {}  # worker -> its running total
+        self.reward_totals: dict[tuple[str, str], int] = {}  # (worker, reward_errors|reward_timeouts) -> total
         self.version = 0  # weight version every active rollout worker serves (after the last sync)
         self.last_acceptance: float | None = None
         self.tokens_per_s = 0.0
@@ -138,8 +146,9 @@ class RolloutPool:
             self.in_flight[ref] = Chunk(name, items, time.perf_counter())
 
     def wait(self, timeout: float) -> None:
-        """Take in the chunks that finish within `timeout`; a failed worker's prompts go back to the queue."""
+        """Take in the chunks that finish within `timeout` (see the module docstring for failures)."""
         import ray
+        from ray.exceptions import RayTaskError
 
         if not self.in_flight:
             time.sleep(min(timeout, 0.05))
@@ -150,21 +159,57 @@ class RolloutPool:
             name = chunk.worker
             try:
                 out = ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - a dead or failed worker: requeue, never lose prompts
-                log.warning("rollout worker %s failed (%s): requeueing %d prompt(s)", name,
-                            type(exc).__name__, len(chunk.items))
-                with self.sh.lock:
-                    back = self.sh.ledger.requeue(name)
-                self.sh.series.of(name, "rollout").prompts_requeued.inc(len(back))
-                self.sh.cm.prompts_requeued.inc(len(back))
-                self.dead.add(name)
-                self.retire(name, f"failed: {type(exc).__name__}")
+            except RayTaskError as exc:
+                self._task_failed(chunk, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - anything else Ray raises means the worker is gone
+                self.worker_lost(name, f"died: {type(exc).__name__}")
                 continue
             self._accept(name, chunk.items, out)
             with self.sh.lock:
                 draining = self.sh.table.workers[name].state == WorkerState.DRAINING
             if draining:
                 self.retire(name, "drained")
+        self._expire_hung()
+
+    def worker_lost(self, name: str, reason: str) -> None:
+        """`name` is gone (dead, hung, unreachable): its prompts go back to the queue, it retires for good."""
+        for ref in [r for r, c in self.in_flight.items() if c.worker == name]:
+            del self.in_flight[ref]
+        with self.sh.lock:
+            back = self.sh.ledger.requeue(name)
+        if back:
+            log.warning("rollout worker %s %s: requeueing %d prompt(s)", name, reason, len(back))
+        self.sh.series.of(name, "rollout").prompts_requeued.inc(len(back))
+        self.sh.cm.prompts_requeued.inc(len(back))
+        self.dead.add(name)
+        self.retire(name, reason)
+
+    def _task_failed(self, chunk: Chunk, exc: BaseException) -> None:
+        cause = getattr(exc, "cause", None) or exc
+        reason = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"[:200]
+        with self.sh.lock:
+            again, dropped = self.sh.ledger.fail(chunk.worker, self.sh.settings.prompt_retries, reason)
+        log.warning("rollout of %d prompt(s) on %s raised %s; retrying %d alone, dropping %d", len(chunk.items),
+                    chunk.worker, reason, len(again), len(dropped))
+        self.sh.series.of(chunk.worker, "rollout").rollout_task_errors.inc()
+        self.sh.cm.rollout_task_errors.inc()
+        self.sh.cm.prompts_dropped.inc(len(dropped))
+        self.sh.cm.prompts_requeued.inc(len(again))
+
+    def _expire_hung(self) -> None:
+        """Retire workers whose chunk outran the timeout. Its prompts count a failure too: a prompt that hangs
+        every worker it lands on must not take the whole pool down, so it is retried alone, then dropped."""
+        limit = self.sh.settings.chunk_timeout_s
+        now = time.perf_counter()
+        for chunk in [c for c in self.in_flight.values() if now - c.started > limit]:
+            with self.sh.lock:
+                again, dropped = self.sh.ledger.fail(chunk.worker, self.sh.settings.prompt_retries,
+                                                     f"rollout chunk timed out after {limit:g}s")
+            self.sh.cm.rollout_chunk_timeouts.inc()
+            self.sh.cm.prompts_requeued.inc(len(again))
+            self.sh.cm.prompts_dropped.inc(len(dropped))
+            self.worker_lost(chunk.worker, f"hung: a chunk ran longer than {limit:g}s")
 
     def _accept(self, name: str, items: list[PromptItem], out: dict) -> None:
         step = items[0].step
@@ -182,18 +227,22 @@ class RolloutPool:
         wm.spec_num_drafts.inc(max(0.0, st.get("drafts", 0.0)))
         wm.spec_num_draft_tokens.inc(max(0.0, st.get("draft_tokens", 0.0)))
         wm.spec_num_accepted_tokens.inc(max(0.0, st.get("accepted_tokens", 0.0)))
-        errors_now = int(out.get("reward_errors", 0))  # the worker's running total
-        prev = self.reward_errors.get(name, 0)
-        if errors_now > prev:
-            wm.reward_errors.inc(errors_now - prev)
-            self.sh.cm.reward_errors.inc(errors_now - prev)
-        self.reward_errors[name] = max(prev, errors_now)
+        for key, attr in (("reward_errors", "reward_errors"), ("reward_timeouts", "reward_timeouts")):
+            now = int(out.get(key, 0))  # the worker's running total
+            prev = self.reward_totals.get((name, key), 0)
+            if now > prev:
+                getattr(wm, attr).inc(now - prev)
+                getattr(self.sh.cm, attr).inc(now - prev)
+            self.reward_totals[(name, key)] = max(prev, now)
         wm.weight_version.set(out["weight_version"])
         wm.weight_staleness.set(max(0, step - out["weight_version"]))
         acc = acceptance_length(st)
         with self.sh.lock:
             if acc is not None:
                 self.last_acceptance = round(acc, 4)
+
+    def reward_count(self, key: str) -> int:
+        return sum(v for (_, k), v in self.reward_totals.items() if k == key)
 
     def update_rate(self, step: int, t0: float) -> None:
         tokens = sum(c["tokens"] for c in self.chunk_stats.get(step, []))
