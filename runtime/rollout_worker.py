@@ -186,7 +186,8 @@ class RolloutWorker:
             self.engine.init_weight_transfer(host, port, rank_offset=rank, world_size=world_size)
             return True
         self._sync_group = SyncGroup.create(host, port, rank=rank, world_size=world_size,
-                                            backend=self.settings.sync_backend, epoch=epoch)
+                                            backend=self.settings.sync_backend, epoch=epoch,
+                                            timeout_s=self.settings.sync_timeout_s)
         self._receiver = WeightReceiver(self._sync_group)
         return True
 

@@ -171,6 +171,9 @@ class JobCoordinator:
         self.pool.ping_all()
         if self._resume_from:
             self._restore(self._resume_from)
+        # Version 0 (or the resumed version) goes out like every later one: a pod that resolved another revision
+        # of the model, or a rollout worker that loaded it differently, never rolls out with its own copy.
+        self.weight_sync.sync(self.weight_version)
         self.phase = Phase.ROLLOUT
 
     def add_rollout_worker(self, name: str) -> None:
@@ -259,8 +262,10 @@ class JobCoordinator:
             self.phase = Phase.TRAINING
             self.trainer_backlog = len(samples)
         t_train = time.perf_counter()
+        chunks_before = self.pool.chunks_done
         train_out = self._train(step, samples)
         train_s = time.perf_counter() - t_train
+        overlap_chunks = self.pool.chunks_done - chunks_before
         with self.lock:
             self.weight_version = step + 1
             self.trainer_backlog = 0
@@ -278,6 +283,7 @@ class JobCoordinator:
         rec = self._record(step, samples, train_out, StepTimes(rollout_s, tail_s, train_s,
                                                                time.perf_counter() - t_step),
                            sync_info, drafter_info)
+        rec["overlap_chunks"] = overlap_chunks
         if s.eval_every and (step + 1) % s.eval_every == 0:
             # After the sync, so the rollout worker decodes with the weights this step produced.
             ev = self.evaluate(True)
@@ -358,8 +364,6 @@ class JobCoordinator:
         return directory
 
     def _restore(self, directory: str) -> None:
-        import ray
-
         cursor = checkpoints.load(list(self.trainers.values()), directory)
         with self.lock:
             self.step = int(cursor["step"])
@@ -371,12 +375,6 @@ class JobCoordinator:
             # Steps already queued before the checkpoint keep their prompts (they sit in the ledger's queue).
             for it in self.ledger.queue:
                 self.pool.open_step(it.step)
-        if self.settings.rollout_engine == "vllm":
-            self.weight_sync.sync(self.weight_version)
-        else:
-            state = ray.get(self.trainer_group.first().sync_state.remote())
-            ray.get([a.set_weights.remote(state, self.weight_version) for a in self.rollouts.values()])
-        self.pool.version = self.weight_version
         log.info("resumed from %s at step %d", directory, self.step)
 
     # ------------------------------------------------------------------ measurements

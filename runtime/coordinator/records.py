@@ -38,6 +38,7 @@ class StepRecord:
     staleness_max: int = 0
     reward_errors: int = 0
     requeued: int = 0
+    overlap_chunks: int = 0  # rollout chunks of later steps that finished while this step trained (async)
     dropped: int = 0  # prompts dropped so far (their rollout raised promptRetries + 1 times)
     workers: dict[str, int] = field(default_factory=dict)
     eval_accuracy: float | None = None  # held-out greedy accuracy after this step (spec.algorithm.evalEvery)

@@ -48,6 +48,7 @@ class RolloutPool:
         self.version = 0  # weight version every active rollout worker serves (after the last sync)
         self.last_acceptance: float | None = None
         self.tokens_per_s = 0.0
+        self.chunks_done = 0  # chunks taken in so far (async mode: how many came in while the trainers worked)
 
     # -- membership -----------------------------------------------------------------------------------
 
@@ -215,6 +216,7 @@ class RolloutPool:
         step = items[0].step
         with self.sh.lock:
             self.sh.ledger.complete(name, [it.prompt_id for it in items])
+        self.chunks_done += 1
         self.results[step].extend(out["samples"])
         self.chunk_stats[step].append({"stats": out["stats"], "seconds": out["seconds"], "tokens": out["tokens"],
                                        "weight_version": out["weight_version"]})

@@ -100,3 +100,157 @@ def _pid_or_none(actor) -> int | None:
         return _pid(actor)
     except Exception:  # noqa: BLE001 - it may have been retired meanwhile
         return None
+
+
+def _digest(actor) -> str:
+    import ray
+
+    def digest(self):
+        from specrl.runtime.rl.trainer import weights_digest
+
+        self._apply_pending()  # what every rollout does first: staged weights are swapped in
+        return weights_digest(self.model)
+
+    return ray.get(actor.__ray_call__.remote(digest))
+
+
+def _die_in_next_receive(self) -> bool:
+    """Make this rollout worker's process exit inside its next weight receive (after the group is built)."""
+    from specrl.runtime.sync import WeightReceiver
+
+    def die(*_a, **_k):
+        os._exit(1)
+
+    WeightReceiver.receive = die
+    return True
+
+
+def test_receivers_that_die_around_a_weight_sync_are_left_out(local_ray, micro):
+    """13.13: rollout-1 dies inside the transfer of version 2 (its process exits in `receive`); rollout-2 is
+    SIGKILLed while step 1 trains (gone before the sync starts). Both are left out, the group is rebuilt over
+    rollout-0, the weights are sent again, and the job goes on with rollout-0 serving the trainer's weights."""
+    from micro import micro_settings
+
+    s = micro_settings(steps=3, rollouts=3, drafter_training=False, sync_timeout_s=20.0)
+    coord = JobCoordinator(s)
+    try:
+        coord.start()
+        coord.run_step()
+        import ray
+
+        ray.get(coord.rollouts["micro-rollout-1"].__ray_call__.remote(_die_in_next_receive))
+        victim = _pid(coord.rollouts["micro-rollout-2"])
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.setdefault("rec", coord.run_step()), daemon=True)
+        t.start()
+        while t.is_alive() and coord.status()["phase"] != "Training":
+            time.sleep(0.002)
+        os.kill(victim, signal.SIGKILL)
+        t.join(180)
+        assert not t.is_alive() and "rec" in box, "step 1 did not finish"
+        assert box["rec"]["sync_bytes"] > 0
+        coord.run()
+        states = {w["name"]: w["state"] for w in coord.status()["workers"] if w["role"] == "rollout"}
+        assert states == {"micro-rollout-0": "active", "micro-rollout-1": "retired", "micro-rollout-2": "retired"}
+        assert _counter(coord, "specrl_weight_sync_failures_total") >= 1
+        assert coord.rollout_version == 3
+        assert _digest(coord.rollouts["micro-rollout-0"]) == coord.trainer_digest()
+        rep = coord.ledger_report()
+        assert rep["lost"] == 0 and rep["trained"] == rep["issued"] == 3 * s.prompts_per_step
+    finally:
+        coord.shutdown()
+
+
+def test_version_zero_is_shipped_at_start(local_ray, micro):
+    """13.17: a rollout worker that starts from other weights (a pod that resolved another model revision) serves
+    the trainer's weights before its first rollout."""
+    import ray
+    from micro import micro_settings
+
+    s = micro_settings(steps=1, rollouts=1, drafter_training=False)
+    coord = JobCoordinator(s)
+    add = coord.pool.add
+
+    def add_other_revision(name, initial=None):
+        add(name, initial)
+
+        def perturb(self):
+            import torch
+
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(0.01)
+            return True
+
+        ray.get(coord.pool.actors[name].__ray_call__.remote(perturb))
+
+    coord.pool.add = add_other_revision
+    try:
+        coord.start()
+        assert _digest(coord.rollouts["micro-rollout-0"]) == coord.trainer_digest()
+        assert coord.rollout_version == 0
+    finally:
+        coord.shutdown()
+
+
+def test_async_checkpoint_with_prompts_in_flight_resumes_exactly_once(local_ray, micro, tmp_path):
+    """13.16: async mode with a checkpoint after every step. At each boundary the next step's prompts are in flight
+    or done but untrained; the checkpoint saves them as queued, and a job resumed from it trains every draw of
+    the whole job exactly once."""
+    import torch
+    from micro import micro_settings
+
+    s = micro_settings(steps=4, rollouts=2, mode="async", max_staleness=1, drafter_training=False,
+                       checkpoint_dir=str(tmp_path), checkpoint_interval=1, checkpoint_keep=5)
+    a = JobCoordinator(s)
+    try:
+        a.start()
+        a.run(steps=2)
+    finally:
+        a.shutdown()  # the crash
+    saved = torch.load(tmp_path / "step-000002" / "trainer.pt", weights_only=False)["cursor"]["ledger"]
+    assert [row[0] for row in saved["queue"]][: s.prompts_per_step] == \
+        [f"s2-p{k}" for k in range(s.prompts_per_step)]
+    assert len(saved["trained"]) == 2 * s.prompts_per_step
+    b = JobCoordinator(s, resume_from=str(tmp_path / "step-000002"))
+    try:
+        b.start()
+        assert b.step == 2
+        b.run()
+        rep = b.ledger_report()
+        every = sorted(f"s{st}-p{k}" for st in range(4) for k in range(s.prompts_per_step))
+        assert rep["trained_ids"] == every and rep["lost"] == 0 and rep["dropped"] == 0
+        assert [h["step"] for h in b.get_history()] == [0, 1, 2, 3]
+    finally:
+        b.shutdown()
+
+
+def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, tmp_path):
+    """13.18: async mode (maxStaleness 1) on a JSONL dataset learns a behaviour the reward pays for, and the next
+    step's rollouts run while the trainers work (chunks of later steps finish during training)."""
+    from micro import micro_settings
+    from specrl.runtime.rl.task import SyntheticTask
+
+    data = tmp_path / "train.jsonl"
+    lines = [json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in SyntheticTask(64, None, 5)]
+    lines.insert(3, "{not json")  # skipped with a counted warning
+    data.write_text("\n".join(lines) + "\n")
+    s = micro_settings(steps=16, prompts_per_step=8, group_size=4, lr=2e-2, rollouts=2, mode="async",
+                       max_staleness=1, reward="rewards_for_tests:starts_with_digit", drafter_training=False,
+                       dataset=str(data), eval_size=4)
+    coord = JobCoordinator(s)
+    try:
+        coord.start()
+        history = coord.run()
+        assert max(h["staleness_max"] for h in history) <= 1
+        assert any(h["staleness_max"] == 1 for h in history), "async mode never ran ahead"
+        overlapped = [h["overlap_chunks"] for h in history]
+        assert sum(1 for n in overlapped if n > 0) >= len(history) // 2, overlapped
+        rewards = [h["reward_mean"] for h in history]
+        first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+        assert last >= first + 0.2, rewards
+        assert _counter(coord, "specrl_dataset_malformed_lines_total") == 1
+        rep = coord.ledger_report()
+        assert rep["lost"] == 0 and rep["trained"] == rep["issued"] == 16 * s.prompts_per_step
+    finally:
+        coord.shutdown()
