@@ -243,36 +243,53 @@ def chunk_size(prompts_left: int, idle_workers: int, max_chunk: int) -> int:
     return max(1, min(max_chunk, -(-prompts_left // idle_workers)))
 
 
+class DrainRefused(ValueError):
+    """A drain that would leave the job without a worker of a role (the HTTP layer answers 409)."""
+
+
 @dataclass
 class WorkerRecord:
     name: str
     role: str  # rollout | trainer
     state: WorkerState = WorkerState.ACTIVE
     weight_version: int = -1
+    identity: str | None = None  # the pod's Ray node ID in a cluster; None locally (the name is the identity)
 
 
 @dataclass
 class WorkerTable:
-    """Membership. Changes take effect at step boundaries (joins) or safe points (drains)."""
+    """Membership. Changes take effect at step boundaries (joins) or safe points (drains).
+
+    A worker is its identity, not its name: a retired identity stays retired for good (the pod it runs on may
+    live on for a while), and a pod recreated under the same name has a new identity and joins as a new member.
+    """
 
     workers: dict[str, WorkerRecord] = field(default_factory=dict)
+    retired_identities: set[str] = field(default_factory=set)
 
-    def add(self, name: str, role: str) -> WorkerRecord:
+    def add(self, name: str, role: str, identity: str | None = None) -> WorkerRecord:
         if name in self.workers and self.workers[name].state != WorkerState.RETIRED:
             raise ValueError(f"worker {name!r} already exists")
-        rec = WorkerRecord(name, role)
+        if identity is not None and identity in self.retired_identities:
+            raise ValueError(f"worker {name!r} on {identity} was retired; only a new pod may join under its name")
+        rec = WorkerRecord(name, role, identity=identity)
         self.workers[name] = rec
         return rec
 
     def drain(self, name: str) -> WorkerRecord:
-        """Mark for retirement; unknown names raise KeyError (the HTTP layer answers 404)."""
+        """Mark for retirement; unknown names raise KeyError (404), the last active worker of a role DrainRefused."""
         rec = self.workers[name]
         if rec.state == WorkerState.ACTIVE:
+            if self.active(rec.role) == [name]:
+                raise DrainRefused(f"{name} is the last active {rec.role} worker; the job cannot run without one")
             rec.state = WorkerState.DRAINING
         return rec
 
     def retire(self, name: str) -> None:
-        self.workers[name].state = WorkerState.RETIRED
+        rec = self.workers[name]
+        rec.state = WorkerState.RETIRED
+        if rec.identity is not None:
+            self.retired_identities.add(rec.identity)
 
     def active(self, role: str) -> list[str]:
         return [w.name for w in self.workers.values() if w.role == role and w.state == WorkerState.ACTIVE]

@@ -279,8 +279,8 @@ def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigt
         deadline = time.monotonic() + float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "600"))
         while True:
             members = members_from_nodes(ray.nodes(), settings.job)
-            trainers = [n for n, r in members if r == "trainer"]
-            rollouts = [n for n, r in members if r == "rollout"]
+            trainers = [m.name for m in members if m.role == "trainer"]
+            rollouts = [m.name for m in members if m.role == "rollout"]
             if len(trainers) >= settings.trainers and rollouts:
                 break
             if time.monotonic() > deadline or stop["flag"]:
@@ -292,7 +292,7 @@ def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigt
         if stop["flag"]:  # SIGTERM between the check above and here
             raise _Terminated()
         try:
-            coord.start(trainers[: settings.trainers], rollouts)
+            coord.start(trainers[: settings.trainers], rollouts, {m.name: m.node_id for m in members})
             coord.run()
         except Exception as exc:
             stop["running"] = False

@@ -162,12 +162,15 @@ class JobCoordinator:
 
     # ------------------------------------------------------------------ membership
 
-    def start(self, trainer_names: list[str] | None = None, rollout_names: list[str] | None = None) -> None:
-        """Create the worker actors (default: the replicas of the spec) and restore a checkpoint if asked."""
+    def start(self, trainer_names: list[str] | None = None, rollout_names: list[str] | None = None,
+              node_ids: dict[str, str] | None = None) -> None:
+        """Create the worker actors (default: the replicas of the spec; in a cluster on the Ray nodes `node_ids`
+        names), restore a checkpoint if asked, and ship the trainers' weights to every rollout worker."""
         s = self.settings
-        self.trainer_group.start(trainer_names or [f"{s.job}-trainer-{i}" for i in range(s.trainers)])
+        node_ids = node_ids or {}
+        self.trainer_group.start(trainer_names or [f"{s.job}-trainer-{i}" for i in range(s.trainers)], node_ids)
         for name in rollout_names or [f"{s.job}-rollout-{i}" for i in range(s.rollouts)]:
-            self.pool.add(name)
+            self.pool.add(name, node_id=node_ids.get(name))
         self.pool.ping_all()
         if self._resume_from:
             self._restore(self._resume_from)
@@ -176,23 +179,20 @@ class JobCoordinator:
         self.weight_sync.sync(self.weight_version)
         self.phase = Phase.ROLLOUT
 
-    def add_rollout_worker(self, name: str) -> None:
-        """A worker joins at a step boundary: it gets the current weights; the sync group is rebuilt."""
+    def add_rollout_worker(self, name: str, node_id: str | None = None) -> None:
+        """A worker joins: it gets the trainers' current weights at once; the sync group is rebuilt."""
         import ray
 
         if self.settings.rollout_engine == "vllm":  # vLLM takes weights only over its NCCL transfer
-            self.pool.add(name)
-            if self.weight_version > 0:
-                self.weight_sync.sync(self.weight_version)
+            self.pool.add(name, node_id=node_id)
+            self.weight_sync.sync(self.weight_version)
             return
-        initial = None
-        if self.weight_version > 0:
-            initial = (ray.get(self.trainer_group.first().sync_state.remote()), self.weight_version)
-        self.pool.add(name, initial)
+        state = ray.get(self.trainer_group.first().sync_state.remote())
+        self.pool.add(name, (state, self.weight_version), node_id)
 
-    def add_trainer_worker(self, name: str) -> None:
+    def add_trainer_worker(self, name: str, node_id: str | None = None) -> None:
         """A trainer joins at the next step boundary (it copies rank 0's weights and optimizer state)."""
-        self.trainer_group.request_join(name)
+        self.trainer_group.request_join(name, node_id)
 
     def _handle_drains_and_joins(self) -> None:
         self.pool.retire_idle_draining()
@@ -202,13 +202,14 @@ class JobCoordinator:
     def _discover_joins(self) -> None:
         import ray
 
-        for name, role in joiners(members_from_nodes(ray.nodes(), self.settings.job), self.table, self.pool.dead):
-            if role == "rollout":
-                log.info("rollout worker %s joined", name)
-                self.add_rollout_worker(name)
-            elif name not in self.trainer_group.pending:
-                log.info("trainer %s joined; it enters the data-parallel group at the next step boundary", name)
-                self.trainer_group.request_join(name)
+        for m in joiners(members_from_nodes(ray.nodes(), self.settings.job), self.table):
+            if m.role == "rollout":
+                log.info("rollout worker %s joined (node %s)", m.name, m.node_id)
+                self.add_rollout_worker(m.name, m.node_id)
+            elif m.name not in self.trainer_group.pending:
+                log.info("trainer %s joined (node %s); it enters the data-parallel group at the next step boundary",
+                         m.name, m.node_id)
+                self.trainer_group.request_join(m.name, m.node_id)
 
     # ------------------------------------------------------------------ the step loop
 

@@ -43,7 +43,6 @@ class RolloutPool:
         self.in_flight: dict[Any, Chunk] = {}  # Ray object ref -> the chunk it computes
         self.results: dict[int, list[dict]] = {}  # step -> samples returned so far
         self.chunk_stats: dict[int, list[dict]] = {}
-        self.dead: set[str] = set()
         self.reward_totals: dict[tuple[str, str], int] = {}  # (worker, reward_errors|reward_timeouts) -> total
         self.version = 0  # weight version every active rollout worker serves (after the last sync)
         self.last_acceptance: float | None = None
@@ -52,15 +51,17 @@ class RolloutPool:
 
     # -- membership -----------------------------------------------------------------------------------
 
-    def add(self, name: str, initial: tuple[dict, int] | None = None) -> None:
-        """Start `name`'s actor; `initial` (state, version) hands it the current weights directly."""
+    def add(self, name: str, initial: tuple[dict, int] | None = None, node_id: str | None = None) -> None:
+        """Start `name`'s actor (on Ray node `node_id`, in a cluster); `initial` (state, version) hands it the
+        current weights directly."""
         import ray
         from specrl.runtime.rollout_worker import RolloutWorker
 
-        actor = ray.remote(RolloutWorker).options(**self.placement.options(name, "rollout")).remote(
+        with self.sh.lock:
+            self.sh.table.add(name, "rollout", node_id)
+        actor = ray.remote(RolloutWorker).options(**self.placement.options(name, "rollout", node_id)).remote(
             self.sh.settings, name)
         with self.sh.lock:
-            self.sh.table.add(name, "rollout")
             self.actors[name] = actor
         self.sh.series.of(name, "rollout")
         if initial is not None:
@@ -183,7 +184,6 @@ class RolloutPool:
             log.warning("rollout worker %s %s: requeueing %d prompt(s)", name, reason, len(back))
         self.sh.series.of(name, "rollout").prompts_requeued.inc(len(back))
         self.sh.cm.prompts_requeued.inc(len(back))
-        self.dead.add(name)
         self.retire(name, reason)
 
     def _task_failed(self, chunk: Chunk, exc: BaseException) -> None:

@@ -42,7 +42,7 @@ class TrainerGroup:
         self.sh = shared
         self.placement = placement
         self.actors: dict[str, Any] = {}
-        self.pending: list[str] = []  # trainers that join at the next step boundary
+        self.pending: dict[str, str | None] = {}  # trainers that join at the next step boundary -> node ID
         self.generation = 0  # bumped whenever the group changes (the weight-sync sender may have changed)
 
     def names(self) -> list[str]:
@@ -52,27 +52,26 @@ class TrainerGroup:
         """Rank 0: it sends the weights and holds the drafter's master copy."""
         return next(iter(self.actors.values()))
 
-    def _spawn(self, name: str, rank: int, world: int) -> None:
+    def _spawn(self, name: str, rank: int, world: int, node_id: str | None) -> None:
         import ray
         from specrl.runtime.rl.trainer import TrainerWorker
 
         with self.sh.lock:
-            self.sh.table.add(name, "trainer")
-        self.actors[name] = ray.remote(TrainerWorker).options(**self.placement.options(name, "trainer")).remote(
-            self.sh.settings, rank, world, name)
+            self.sh.table.add(name, "trainer", node_id)
+        opts = self.placement.options(name, "trainer", node_id)
+        self.actors[name] = ray.remote(TrainerWorker).options(**opts).remote(self.sh.settings, rank, world, name)
 
-    def start(self, names: list[str]) -> None:
+    def start(self, names: list[str], node_ids: dict[str, str] | None = None) -> None:
         import ray
 
         for rank, name in enumerate(names):
-            self._spawn(name, rank, len(names))
+            self._spawn(name, rank, len(names), (node_ids or {}).get(name))
         host, port = ray.get(self.first().node_address.remote())
         # each trainer picks the backend of its gradients' device (devices.collective_backend)
         ray.get([a.init_data_parallel.remote(host, port) for a in self.actors.values()])
 
-    def request_join(self, name: str) -> None:
-        if name not in self.pending:
-            self.pending.append(name)
+    def request_join(self, name: str, node_id: str | None = None) -> None:
+        self.pending.setdefault(name, node_id)
 
     def regroup(self) -> None:
         """Apply trainer drains and joins: one new data-parallel group over the remaining and new trainers."""
@@ -80,7 +79,7 @@ class TrainerGroup:
 
         with self.sh.lock:
             draining = [n for n in self.sh.table.draining("trainer") if n in self.actors]
-            joining = list(self.pending)
+            joining = dict(self.pending)
             self.pending.clear()
         if not draining and not joining:
             return
@@ -99,8 +98,8 @@ class TrainerGroup:
                 self.sh.table.retire(name)
             log.info("trainer %s retired (drained)", name)
             self.sh.series.drop(name)
-        for name in joining:
-            self._spawn(name, len(self.actors), len(self.actors) + 1)
+        for name, node_id in joining.items():
+            self._spawn(name, len(self.actors), len(self.actors) + 1, node_id)
         names = list(self.actors)
         ray.get([self.actors[n].close_sync_group.remote() for n in names if n in keep])
         host, port = ray.get(self.actors[names[0]].node_address.remote())
