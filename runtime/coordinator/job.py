@@ -172,6 +172,8 @@ class JobCoordinator:
         for name in rollout_names or [f"{s.job}-rollout-{i}" for i in range(s.rollouts)]:
             self.pool.add(name, node_id=node_ids.get(name))
         self.pool.ping_all()
+        if self._resume_from is None:  # a restarted job (or coordinator pod) resumes from the newest checkpoint
+            self._resume_from = checkpoints.find_latest(self.trainer_group.first(), s.checkpoint_dir)
         if self._resume_from:
             self._restore(self._resume_from)
         # Version 0 (or the resumed version) goes out like every later one: a pod that resolved another revision
@@ -414,6 +416,10 @@ class JobCoordinator:
         self.trainer_group.shutdown()
 
     # Ray actor accessors (attributes are not reachable through an actor handle)
+
+    def resumed_from(self) -> str | None:
+        """The checkpoint this job resumed from (None: it started from scratch)."""
+        return self._resume_from or None
 
     def get_url(self) -> str | None:
         return self.url

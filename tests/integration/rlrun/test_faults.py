@@ -197,7 +197,6 @@ def test_async_checkpoint_with_prompts_in_flight_resumes_exactly_once(local_ray,
     """13.16: async mode with a checkpoint after every step. At each boundary the next step's prompts are in flight
     or done but untrained; the checkpoint saves them as queued, and a job resumed from it trains every draw of
     the whole job exactly once."""
-    import torch
     from micro import micro_settings
 
     s = micro_settings(steps=4, rollouts=2, mode="async", max_staleness=1, drafter_training=False,
@@ -208,14 +207,15 @@ def test_async_checkpoint_with_prompts_in_flight_resumes_exactly_once(local_ray,
         a.run(steps=2)
     finally:
         a.shutdown()  # the crash
-    saved = torch.load(tmp_path / "step-000002" / "trainer.pt", weights_only=False)["cursor"]["ledger"]
-    assert [row[0] for row in saved["queue"]][: s.prompts_per_step] == \
-        [f"s2-p{k}" for k in range(s.prompts_per_step)]
-    assert len(saved["trained"]) == 2 * s.prompts_per_step
-    b = JobCoordinator(s, resume_from=str(tmp_path / "step-000002"))
+    assert (tmp_path / "step-000002" / "COMPLETE").is_file()
+    b = JobCoordinator(s)  # a restarted job: it asks trainer rank 0 for the newest complete checkpoint
     try:
         b.start()
-        assert b.step == 2
+        assert b.resumed_from() == str(tmp_path / "step-000002") and b.step == 2
+        # step 2's prompts were in flight or done-but-untrained at the checkpoint: they come back queued, first
+        assert [it.prompt_id for it in b.ledger.queue][: s.prompts_per_step] == \
+            [f"s2-p{k}" for k in range(s.prompts_per_step)]
+        assert len(b.ledger.trained) == 2 * s.prompts_per_step
         b.run()
         rep = b.ledger_report()
         every = sorted(f"s{st}-p{k}" for st in range(4) for k in range(s.prompts_per_step))

@@ -237,7 +237,7 @@ def test_crash_resume_gives_bit_identical_weights(local_ray, micro, tmp_path):
         hist_a = a.get_history()
     finally:
         a.shutdown()  # the "crash": every actor of the first run is gone
-    assert (tmp_path / "step-000002" / "trainer.pt").is_file()
+    assert (tmp_path / "step-000002" / "COMPLETE").is_file()
     b = JobCoordinator(s, resume_from=str(tmp_path / "step-000002"))
     try:
         b.start()

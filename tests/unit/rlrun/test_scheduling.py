@@ -228,13 +228,16 @@ def test_members_from_ray_nodes():
 
 def test_checkpoint_listing_and_pruning(tmp_path):
     from specrl.runtime.coordinator import latest_checkpoint, list_checkpoints, prune_checkpoints
+    from specrl.runtime.coordinator.checkpoints import mark_complete
 
     assert latest_checkpoint(None) is None and latest_checkpoint(tmp_path / "none") is None
     for n in (1, 2, 3, 4):
         d = tmp_path / f"step-{n:06d}"
         d.mkdir()
         (d / "trainer.pt").write_bytes(b"x")
-    (tmp_path / "step-000005").mkdir()  # torn: no trainer.pt, never resumed from
+        mark_complete(d, {"step": n})
+    (tmp_path / "step-000005").mkdir()  # torn: every rank wrote its part but the marker is missing
+    (tmp_path / "step-000005" / "trainer.pt").write_bytes(b"x")
     assert latest_checkpoint(tmp_path).endswith("step-000004")
     prune_checkpoints(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
