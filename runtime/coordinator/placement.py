@@ -65,3 +65,13 @@ def kill_actors(actors: dict[str, Any]) -> None:
         except Exception as exc:  # noqa: BLE001 - it may be dead already
             log.debug("kill at shutdown: %s", exc)
     actors.clear()
+
+
+def serve_metrics_from(actor: Any, name: str, role: str, series: Any) -> None:
+    """Have a pod's worker actor serve its own series on the pod's metrics port (metrics.serve_own_metrics);
+    when it does, the coordinator stops exporting those series for it."""
+    import ray
+    from specrl.runtime.metrics import serve_own_metrics
+
+    if ray.get(actor.__ray_call__.remote(serve_own_metrics, role)) is not None:
+        series.serves_own(name)

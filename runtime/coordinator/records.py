@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 def acceptance_length(stats: dict[str, float]) -> float | None:
@@ -99,21 +99,54 @@ def build_record(step: int, group_size: int, samples: list[dict], chunks: list[d
 class WorkerSeries:
     """The metric series the coordinator exports on behalf of each worker (labels role/worker), in its registry.
 
-    A retired worker's series are dropped, so it does not linger on dashboards.
+    For a worker that serves its own /metrics (a pod, see `metrics.serve_own_metrics`) the series its process
+    produces go to a private registry instead, so that Prometheus sees each series once. A retired worker's
+    series are dropped, so it does not linger on dashboards.
     """
 
     def __init__(self, job: str, namespace: str, registry: Any) -> None:
         self.job, self.namespace, self.registry = job, namespace, registry
-        self._by_name: dict[str, Any] = {}
+        self._by_name: dict[str, _Series] = {}
+        self._self_serving: set[str] = set()
+
+    def serves_own(self, name: str) -> None:
+        """`name` serves its own series from now on (call before its first `of`)."""
+        self._self_serving.add(name)
+        self._by_name.pop(name, None)
 
     def of(self, name: str, role: str):
-        from specrl.runtime.metrics import RuntimeMetrics
+        from prometheus_client import CollectorRegistry
+        from specrl.runtime.metrics import WORKER_OWNED, RuntimeMetrics
 
         if name not in self._by_name:
-            self._by_name[name] = RuntimeMetrics(self.job, self.namespace, role, name, registry=self.registry)
+            exported = RuntimeMetrics(self.job, self.namespace, role, name, registry=self.registry)
+            private = None
+            owned = WORKER_OWNED.get(role, frozenset())
+            if name in self._self_serving:
+                private = RuntimeMetrics(self.job, self.namespace, role, name, registry=CollectorRegistry())
+                # RuntimeMetrics binds every family to the worker's labels; the pod exports these itself.
+                exported.remove_families(owned | {"start_time", "eval_accuracy"})
+            self._by_name[name] = _Series(exported, private, owned)
         return self._by_name[name]
 
     def drop(self, name: str) -> None:
-        wm = self._by_name.pop(name, None)
-        if wm is not None:
-            wm.remove()
+        series = self._by_name.pop(name, None)
+        if series is not None:
+            series.exported.remove()
+        self._self_serving.discard(name)
+
+
+class _Series:
+    """A worker's RuntimeMetrics as the coordinator writes them: the worker's own series to `private` when the
+    worker serves them itself, everything else to `exported`."""
+
+    def __init__(self, exported: Any, private: Any, owned: frozenset[str]) -> None:
+        self.exported, self.private, self.owned = exported, private, owned
+
+    # methods that write a family (RuntimeMetrics.count_accepted_per_position)
+    _WRITES: ClassVar[dict[str, str]] = {"count_accepted_per_position": "spec_num_accepted_tokens_per_pos"}
+
+    def __getattr__(self, attr: str) -> Any:
+        family = self._WRITES.get(attr, attr)
+        target = self.private if self.private is not None and family in self.owned else self.exported
+        return getattr(target, attr)

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from specrl.runtime.coordinator.placement import Placement, kill_actors
+from specrl.runtime.coordinator.placement import Placement, kill_actors, serve_metrics_from
 from specrl.runtime.coordinator.records import acceptance_length
 from specrl.runtime.coordinator.shared import Shared
 from specrl.runtime.scheduling import PromptItem, WorkerState, chunk_size, may_rollout
@@ -61,6 +61,8 @@ class RolloutPool:
             self.sh.table.add(name, "rollout", node_id)
         actor = ray.remote(RolloutWorker).options(**self.placement.options(name, "rollout", node_id)).remote(
             self.sh.settings, name)
+        if self.placement.cluster:
+            serve_metrics_from(actor, name, "rollout", self.sh.series)
         with self.sh.lock:
             self.actors[name] = actor
         self.sh.series.of(name, "rollout")
@@ -229,6 +231,7 @@ class RolloutPool:
         wm.spec_num_drafts.inc(max(0.0, st.get("drafts", 0.0)))
         wm.spec_num_draft_tokens.inc(max(0.0, st.get("draft_tokens", 0.0)))
         wm.spec_num_accepted_tokens.inc(max(0.0, st.get("accepted_tokens", 0.0)))
+        wm.count_accepted_per_position(st)
         for key, attr in (("reward_errors", "reward_errors"), ("reward_timeouts", "reward_timeouts")):
             now = int(out.get(key, 0))  # the worker's running total
             prev = self.reward_totals.get((name, key), 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from specrl.runtime.coordinator.placement import Placement, kill_actors
+from specrl.runtime.coordinator.placement import Placement, kill_actors, serve_metrics_from
 from specrl.runtime.coordinator.shared import Shared
 from specrl.runtime.scheduling import LedgerError, split_even
 
@@ -60,6 +60,8 @@ class TrainerGroup:
             self.sh.table.add(name, "trainer", node_id)
         opts = self.placement.options(name, "trainer", node_id)
         self.actors[name] = ray.remote(TrainerWorker).options(**opts).remote(self.sh.settings, rank, world, name)
+        if self.placement.cluster:
+            serve_metrics_from(self.actors[name], name, "trainer", self.sh.series)
 
     def start(self, names: list[str], node_ids: dict[str, str] | None = None) -> None:
         import ray

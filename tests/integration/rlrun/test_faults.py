@@ -84,6 +84,7 @@ def test_task_error_hung_worker_and_slow_reward(local_ray, micro, tmp_path):
         assert _counter(coord, "specrl_rollout_prompts_dropped_total") == 1
         assert _counter(coord, "specrl_rollout_chunk_timeouts_total") == 1
         assert _counter(coord, "specrl_reward_timeouts_total") == s.group_size
+        assert _counter(coord, "specrl_reward_errors_total") == s.group_size  # a timeout is a counted reward error
         assert history[-1]["dropped"] == 1
     finally:
         for pid in frozen:

@@ -79,6 +79,7 @@ class Pod:
     name: str
     proc: subprocess.Popen
     log: Path
+    metrics_port: int = 0
     sid: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,7 +200,7 @@ def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureReque
 
     policy, draft = micro
     job = _write_job(tmp_path / "job.yaml", policy, draft, getattr(request, "param", STEPS))
-    http_port, head_port, *node_ports = _free_ports(2 + 3 * 2)
+    http_port, head_port, *node_ports = _free_ports(2 + 3 * 3)
     token = secrets.token_urlsafe(24)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SPECRL_"))}
     base.update({
@@ -217,7 +218,7 @@ def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureReque
             (home / ".ray").mkdir(parents=True)
             if role == "coordinator":  # what a local `ray.init` leaves behind; see the module docstring
                 (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-            agent_port, extra_port = node_ports[2 * i: 2 * i + 2]
+            agent_port, extra_port, metrics_port = node_ports[3 * i: 3 * i + 3]
             # One host, three Ray nodes: each needs its own temp dir (session files, sockets) and the ports
             # Ray otherwise takes at fixed defaults (dashboard agent 52365; Ray client server 10001 on the head).
             ray_args = [f"--temp-dir={short_tmp / f'ray-{role}'}", f"--dashboard-agent-listen-port={agent_port}"]
@@ -225,11 +226,13 @@ def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureReque
                 ray_args.append(f"--ray-client-server-port={extra_port}")
             env = {**base, "HOME": str(home), "SPECRL_ROLE": role, "SPECRL_WORKER": worker,
                    "SPECRL_WORKER_INDEX": "0", "SPECRL_RAY_START_ARGS": " ".join(ray_args)}
+            if role != "coordinator":  # the port the operator declares on worker pods
+                env["SPECRL_METRICS_PORT"] = str(metrics_port)
             log = tmp_path / f"{role}.log"
             with open(log, "wb") as out:
                 proc = subprocess.Popen([*SPECRL, "worker", role, "--config", str(job)], cwd=tmp_path, env=env,
                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            pods.append(Pod(role, proc, log))
+            pods.append(Pod(role, proc, log, metrics_port))
         yield Cluster(pods, f"http://127.0.0.1:{http_port}", token)
     finally:
         # Whatever went wrong: kill what is left in our own sessions only (never `ray stop`, which would end
@@ -269,23 +272,33 @@ def test_pod_entrypoints_run_a_job_as_separate_processes(cluster: Cluster):
     assert "ray::TrainerWorker" not in actors["coordinator"], actors  # the head offers no CPU
     assert "ray::RolloutWorker" not in actors["coordinator"], actors
 
-    # ---- Prometheus text with the job's labels, per worker
-    code, body = _get(f"{url}/metrics")
-    text = body.decode()
-    assert code == 200
+    # ---- Prometheus text with the job's labels: every pod serves the series its own process produces (the worker
+    # pods on their declared metrics port), the coordinator what only it knows; no series comes from two places
     labels = f'rljob="{JOB}",rljob_namespace="{NAMESPACE}"'
-    series = [ln for ln in text.splitlines() if labels in ln and not ln.startswith("#")]
-    assert series, text[:2000]
 
-    def value(name: str, worker: str) -> float:
+    def scrape(target: str) -> list[str]:
+        code, body = _get(target)
+        assert code == 200
+        return [ln for ln in body.decode().splitlines() if labels in ln and not ln.startswith("#")]
+
+    coord_series = scrape(f"{url}/metrics")
+    pod_series = {p.name: scrape(f"http://127.0.0.1:{p.metrics_port}/metrics") for p in cluster.pods[1:]}
+
+    def value(series: list[str], name: str, worker: str) -> float:
         hits = [ln for ln in series if ln.startswith(name + "{") and f'worker="{worker}"' in ln]
-        assert hits, f"no {name} for {worker} in:\n" + "\n".join(series)
+        assert len(hits) == 1, f"{name} for {worker}: {hits} in:\n" + "\n".join(series)
         return float(hits[0].rsplit(" ", 1)[1])
 
-    assert value("specrl_rollout_generated_tokens_total", f"{JOB}-rollout-0") > 0
-    assert value("specrl_rollout_sequences_completed_total", f"{JOB}-rollout-0") == STEPS * 4 * 2
-    assert value("specrl_trainer_step", f"{JOB}-trainer-0") == STEPS
-    assert value("specrl_weight_version", f"{JOB}-coordinator") == STEPS
+    rollout, trainer = pod_series["rollout"], pod_series["trainer"]
+    assert value(rollout, "specrl_rollout_generated_tokens_total", f"{JOB}-rollout-0") > 0
+    assert value(rollout, "specrl_rollout_sequences_completed_total", f"{JOB}-rollout-0") == STEPS * 4 * 2
+    assert value(rollout, "specrl_weight_version", f"{JOB}-rollout-0") == STEPS
+    assert value(trainer, "specrl_trainer_step", f"{JOB}-trainer-0") == STEPS
+    assert value(trainer, "specrl_weight_sync_bytes_total", f"{JOB}-trainer-0") > 0
+    assert value(coord_series, "specrl_weight_version", f"{JOB}-coordinator") == STEPS
+    assert value(coord_series, "specrl_rollout_weight_staleness_versions", f"{JOB}-rollout-0") == 0
+    everywhere = [ln.rsplit(" ", 1)[0] for ln in coord_series + rollout + trainer]  # name and labels
+    assert len(everywhere) == len(set(everywhere)), "a series is exported twice"
 
     # ---- POST /drain needs the job's token; with it, an unknown worker is a 404 (and drains nothing)
     target = {"worker": f"{JOB}-rollout-0"}
