@@ -285,8 +285,7 @@ class JobCoordinator:
 
         rec = self._record(step, samples, train_out, StepTimes(rollout_s, tail_s, train_s,
                                                                time.perf_counter() - t_step),
-                           sync_info, drafter_info)
-        rec["overlap_chunks"] = overlap_chunks
+                           sync_info, drafter_info, overlap_chunks)
         if s.eval_every and (step + 1) % s.eval_every == 0:
             # After the sync, so the rollout worker decodes with the weights this step produced.
             ev = self.evaluate(True)
@@ -343,10 +342,11 @@ class JobCoordinator:
         return ray.get(refs)
 
     def _record(self, step: int, samples: list[dict], train_out: list[dict], times: StepTimes, sync_info: dict,
-                drafter_info: dict) -> dict:
+                drafter_info: dict, overlap_chunks: int) -> dict:
         rec = build_record(step, self.settings.group_size, samples, self.pool.chunk_stats.get(step, []), train_out,
                            times, sync_info, drafter_info, reward_errors=self.pool.reward_count("reward_errors"),
                            requeued=self.ledger.requeued, dropped=len(self.ledger.dropped),
+                           overlap_chunks=overlap_chunks,
                            workers={"rollout": len(self.pool.schedulable()), "trainer": len(self.trainers)})
         with self.lock:
             self.sd_enabled = bool(rec.sd_share) if rec.sd_share is not None else self.settings.method != "none"

@@ -73,7 +73,7 @@ def sd_share(agg: dict[str, float]) -> float | None:
 
 def build_record(step: int, group_size: int, samples: list[dict], chunks: list[dict], train_out: list[dict],
                  times: StepTimes, sync_info: dict, drafter_info: dict, *, reward_errors: int, requeued: int,
-                 dropped: int, workers: dict[str, int]) -> StepRecord:
+                 dropped: int, overlap_chunks: int, workers: dict[str, int]) -> StepRecord:
     agg = chunk_totals(chunks)
     tokens = sum(len(x["response_ids"]) for x in samples)
     rewards = [x["reward"] for x in samples]
@@ -92,7 +92,8 @@ def build_record(step: int, group_size: int, samples: list[dict], chunks: list[d
         loss=sum(o["loss"] for o in train_out),
         clip_fraction=sum(o["clip_fraction"] for o in train_out) / max(1, len(train_out)),
         staleness_max=max((step - x["weight_version"] for x in samples), default=0),
-        reward_errors=reward_errors, requeued=requeued, dropped=dropped, workers=workers,
+        reward_errors=reward_errors, requeued=requeued, dropped=dropped, overlap_chunks=overlap_chunks,
+        workers=workers,
     )
 
 
