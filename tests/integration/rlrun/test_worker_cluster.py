@@ -380,5 +380,5 @@ def test_membership_follows_the_pod_not_its_name(cluster: Cluster):
     cluster.wait_status(lambda st: st["step"] >= step + 2, "steps with the new member")
     assert "ray::RolloutWorker" in " ".join(_processes_in({new.sid}).values())  # its actor runs on the new pod
     code, body = _get(f"http://127.0.0.1:{new.metrics_port}/metrics")
-    assert code == 200 and f'specrl_rollout_sequences_completed_total{{job="{JOB}"' in body.decode()
+    assert code == 200 and f'specrl_rollout_sequences_completed_total{{rljob="{JOB}"' in body.decode()
     cluster.terminate(cluster.pods)
