@@ -59,7 +59,7 @@ class RolloutPool:
 
         with self.sh.lock:
             self.sh.table.add(name, "rollout", node_id)
-        actor = ray.remote(RolloutWorker).options(**self.placement.options(name, "rollout", node_id)).remote(
+        actor: Any = ray.remote(RolloutWorker).options(**self.placement.options(name, "rollout", node_id)).remote(
             self.sh.settings, name)
         if self.placement.cluster:
             serve_metrics_from(actor, name, "rollout", self.sh.series)
