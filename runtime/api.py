@@ -249,6 +249,9 @@ class RewardSpec(_Strict):
         "models); function: an importable Python callable (prompt, completion, answer) -> float."))
     function: str | None = Field(default=None, pattern=IMPORT_REF.pattern, max_length=MAX_REF, description=(
         "`package.module:function`, importable in the image; type function only."))
+    timeout_seconds: float = Field(default=30.0, alias="timeoutSeconds", gt=0, le=3600, description=(
+        "A reward call that takes longer scores 0 and is counted (specrl_reward_timeouts_total); the rollout "
+        "goes on without it."))
 
     @model_validator(mode="after")
     def _check(self) -> RewardSpec:
@@ -490,6 +493,21 @@ class WeightSyncSpec(_Strict):
         "nccl (GPUs) or gloo (CPU); null = nccl when gpusPerPod > 0, else gloo."))
     bucket_mib: int = Field(default=256, alias="bucketMiB", ge=1, le=16384, description=(
         "Size of one packed broadcast bucket in MiB."))
+    timeout_seconds: float = Field(default=120.0, alias="timeoutSeconds", ge=1, le=3600, description=(
+        "A sync (or group rebuild) that takes longer is aborted; receivers that died are left out, the group is "
+        "rebuilt over the survivors and the weights are sent again."))
+
+
+class FaultToleranceSpec(_Strict):
+    """How the runtime treats failing rollouts (worker deaths are always survived: their prompts are requeued)."""
+
+    rollout_chunk_timeout_seconds: float = Field(default=900.0, alias="rolloutChunkTimeoutSeconds", ge=1,
+                                                 le=86400, description=(
+        "A rollout worker that holds one chunk of prompts longer is treated as hung: it is retired and its "
+        "prompts go back to the queue."))
+    prompt_retries: int = Field(default=2, alias="promptRetries", ge=0, le=100, description=(
+        "A prompt whose rollout raised (a task error, not a worker death) is retried alone this many times, then "
+        "dropped with a counted reason (specrl_rollout_prompts_dropped_total)."))
 
 
 class CheckpointSpec(_Strict):
@@ -532,6 +550,8 @@ class RLJobSpec(_Strict):
     elastic: ElasticSpec = Field(default_factory=ElasticSpec, description="Elastic rebalancing between roles.")
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, description="Weight synchronisation.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec, alias="faultTolerance",
+                                                description="Retries and timeouts of the runtime.")
     suspend: bool = Field(default=False, description="Delete the job's pods but keep the job (resume by setting false).")
     backoff_limit: int = Field(default=3, ge=0, le=100, description=(
         "Pod failures (restarts of the job's workers) tolerated before the job is marked Failed. "

@@ -1,5 +1,8 @@
 """The coordinator's HTTP API (DESIGN §3): GET /status, POST /drain, GET /metrics, GET /healthz.
 
+POST /drain answers 202 (draining or already retired), 401 (token), 400 (body), 404 (unknown worker) or 409 with
+the reason when the drain is refused (it would leave the job without a trainer or without a rollout worker).
+
 A thin aiohttp adapter over a `CoordinatorView` (anything with `status()`, `drain(name)`, `metrics()`), run on
 its own event loop in a background thread so the coordinator's step loop never waits on HTTP and vice versa.
 """
@@ -29,7 +32,8 @@ class CoordinatorView(Protocol):
     def status(self) -> dict: ...
 
     def drain(self, worker: str) -> dict:
-        """Mark a worker for retirement; KeyError for an unknown name."""
+        """Mark a worker for retirement; KeyError for an unknown name, ValueError (with the reason) when the
+        drain is refused (the last active worker of its role)."""
         ...
 
     def metrics(self) -> tuple[bytes, str]: ...
@@ -70,6 +74,8 @@ def build_app(view: CoordinatorView, token: str | None) -> web.Application:
             result = view.drain(name)
         except KeyError:
             return web.json_response({"error": f"unknown worker {name!r}"}, status=404)
+        except ValueError as exc:  # DrainRefused: the job would lose its last worker of a role
+            return web.json_response({"error": str(exc)}, status=409)
         return web.json_response(result, status=202)
 
     app = web.Application()

@@ -147,12 +147,6 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
     build_models(settings, progress)
     start_ray()
     opts = {"http_port": free_port(), **(coordinator_options or {})}
-    from specrl.runtime.coordinator import latest_checkpoint
-
-    resume = latest_checkpoint(settings.checkpoint_dir)
-    if resume and "resume_from" not in opts:
-        print(f"[specrl] resuming from checkpoint {resume}", flush=True)
-        opts["resume_from"] = resume
     coord = ray.remote(JobCoordinator).options(num_cpus=0, max_concurrency=8).remote(settings, **opts)
     display = Display(settings, enabled=progress)
     metrics_path = out_dir / "metrics.jsonl"
@@ -160,7 +154,10 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
     summary: dict[str, Any] = {}
     try:
         display.note("starting workers")
-        ray.get(coord.start.remote())
+        ray.get(coord.start.remote())  # resumes from the newest complete checkpoint of spec.checkpoint.path
+        resumed = ray.get(coord.resumed_from.remote())
+        if resumed:
+            display.note(f"resumed from checkpoint {resumed}")
         url = ray.get(coord.get_url.remote())
         display.note(f"coordinator API {url}")
         if measure:

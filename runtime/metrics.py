@@ -31,6 +31,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -96,10 +97,18 @@ METRICS: tuple[MetricSpec, ...] = (
                "Response length of finished rollout sequences in tokens.", RESPONSE_LENGTH_BUCKETS),
     MetricSpec("prompts_requeued", "specrl_rollout_prompts_requeued_total", "counter",
                "Prompts put back in the queue because their worker was drained or died."),
+    MetricSpec("prompts_dropped", "specrl_rollout_prompts_dropped_total", "counter",
+               "Prompts dropped because their rollout raised more than promptRetries + 1 times."),
+    MetricSpec("rollout_task_errors", "specrl_rollout_task_errors_total", "counter",
+               "Rollout chunks whose generate raised while the worker stayed alive (a bug or a bad prompt)."),
+    MetricSpec("rollout_chunk_timeouts", "specrl_rollout_chunk_timeouts_total", "counter",
+               "Rollout workers retired because one chunk ran longer than rolloutChunkTimeoutSeconds."),
     MetricSpec("weight_staleness", "specrl_rollout_weight_staleness_versions", "gauge",
                "Policy versions the rollout weights lag behind the trainer (async mode)."),
     MetricSpec("reward_errors", "specrl_reward_errors_total", "counter",
                "Reward function calls that raised; the sample got reward 0."),
+    MetricSpec("reward_timeouts", "specrl_reward_timeouts_total", "counter",
+               "Reward function calls that ran longer than reward.timeoutSeconds; the sample got reward 0."),
     MetricSpec("dataset_malformed_lines", "specrl_dataset_malformed_lines_total", "counter",
                "Dataset lines skipped because they could not be parsed."),
     # speculative decoding (names mirror vLLM's vllm:spec_decode_* family)
@@ -198,6 +207,10 @@ class RuntimeMetrics:
     sequences_completed: Counter
     response_length: Histogram
     prompts_requeued: Counter
+    prompts_dropped: Counter
+    rollout_task_errors: Counter
+    rollout_chunk_timeouts: Counter
+    reward_timeouts: Counter
     weight_staleness: Gauge
     reward_errors: Counter
     dataset_malformed_lines: Counter
@@ -266,16 +279,60 @@ class RuntimeMetrics:
 
     def remove(self) -> None:
         """Drop this worker's series from the registry (a retired worker must not linger on dashboards)."""
+        self.remove_families(families(self.registry))
+
+    def remove_families(self, attrs: Iterable[str]) -> None:
+        """Drop this worker's series of the families `attrs` (every extra-label child too)."""
         own = tuple(self.labels[name] for name in LABELS)
-        for attr, family in families(self.registry).items():
+        fams = families(self.registry)
+        for attr in attrs:
             for extra in self._extra.get(attr, {()}):
                 try:
-                    family.remove(*own, *extra)
+                    fams[attr].remove(*own, *extra)
                 except KeyError:
                     pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The series a worker process produces itself (runtime/rollout_worker.py, runtime/rl/trainer.py, the adaptive
+# controller). In a cluster each worker pod serves them on its own port (`serve_own_metrics`); the coordinator
+# then leaves them to the pod (Prometheus would otherwise see every one twice) and exports per worker only what
+# it alone knows (requeued prompts, staleness, task errors, reward timeouts, the trainers' reward mean).
+WORKER_OWNED: dict[str, frozenset[str]] = {
+    "rollout": frozenset({"generated_tokens", "sequences_completed", "response_length", "spec_num_drafts",
+                          "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_accepted_tokens_per_pos",
+                          "weight_version", "reward_errors", "spec_decode_enabled", "spec_decode_draft_length"}),
+    "trainer": frozenset({"trainer_step", "trainer_step_duration", "trainer_loss", "trainer_samples",
+                          "weight_version", "drafter_train_steps", "drafter_loss", "sync_duration", "sync_bytes"}),
+}
+
+
+def serve_own_metrics(worker: object, role: str) -> int | None:
+    """Run inside a worker actor's process (`actor.__ray_call__`): give it its own `RuntimeMetrics` (labels from
+    the pod's environment) and serve them on `SPECRL_METRICS_PORT`. Returns the port, or None where the pod
+    declares none (local runs) or it cannot be bound (then the coordinator keeps exporting for this worker)."""
+    import logging
+
+    from prometheus_client import start_http_server
+
+    raw = os.environ.get("SPECRL_METRICS_PORT", "").strip()
+    if not raw.isdigit():
+        return None
+    metrics = RuntimeMetrics.from_env(role)
+    owned = WORKER_OWNED.get(role, frozenset()) | {"start_time"}
+    metrics.remove_families(set(families(metrics.registry)) - owned)  # the rest is the coordinator's to export
+    try:
+        start_http_server(int(raw), addr="0.0.0.0", registry=metrics.registry)
+    except OSError as exc:
+        logging.getLogger(__name__).warning("cannot serve /metrics on port %s: %s", raw, exc)
+        return None
+    worker.metrics = metrics  # type: ignore[attr-defined]
+    controller = getattr(getattr(worker, "engine", None), "controller", None)
+    if controller is not None:
+        controller.metrics = metrics
+    return int(raw)
 
 
 def render(registry: CollectorRegistry) -> tuple[bytes, str]:
@@ -284,6 +341,6 @@ def render(registry: CollectorRegistry) -> tuple[bytes, str]:
 
 
 __all__ = [
-    "CONTENT_TYPE_LATEST", "FAMILY_NAMES", "LABELS", "METRICS", "METRIC_NAMES", "MetricSpec", "RuntimeMetrics",
-    "families", "render",
+    "CONTENT_TYPE_LATEST", "FAMILY_NAMES", "LABELS", "METRICS", "METRIC_NAMES", "WORKER_OWNED", "MetricSpec",
+    "RuntimeMetrics", "families", "render", "serve_own_metrics",
 ]

@@ -115,7 +115,8 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(settings.model, revision=settings.revision, chat=settings.chat_template,
                                         system_prompt=settings.system_prompt, field="spec.model.name")
         self.problems, self.eval_problems = load_problem_split(settings, prompt_style(self.tokenizer))
-        self.reward = SafeReward.from_spec(settings.reward, on_error=self._reward_error)
+        self.reward = SafeReward.from_spec(settings.reward, on_error=self._reward_error,
+                                           timeout_s=settings.reward_timeout_s)
         self.last_number = settings.reward == "builtin:last_number"  # accuracy reads answers as the reward does
         self.calibration: dict | None = None
         self.model = self.draft = None
@@ -185,7 +186,8 @@ class RolloutWorker:
             self.engine.init_weight_transfer(host, port, rank_offset=rank, world_size=world_size)
             return True
         self._sync_group = SyncGroup.create(host, port, rank=rank, world_size=world_size,
-                                            backend=self.settings.sync_backend, epoch=epoch)
+                                            backend=self.settings.sync_backend, epoch=epoch,
+                                            timeout_s=self.settings.sync_timeout_s)
         self._receiver = WeightReceiver(self._sync_group)
         return True
 
@@ -328,7 +330,8 @@ class RolloutWorker:
             m.spec_num_accepted_tokens.inc(delta.get("accepted_tokens", 0))
             m.count_accepted_per_position(delta)
         return {"worker": self.name, "samples": samples, "seconds": seconds, "tokens": tokens,
-                "stats": delta, "weight_version": version, "reward_errors": self.reward.errors}
+                "stats": delta, "weight_version": version, "reward_errors": self.reward.errors,
+                "reward_timeouts": self.reward.timeouts}
 
     def evaluate(self, indices: list[int] | None = None, use_sd: bool = True,
                  split: str = "heldout", samples: int = 0) -> dict[str, Any]:

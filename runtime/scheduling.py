@@ -30,15 +30,27 @@ class Phase(str, Enum):
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One prompt of one RL step; `prompt_id` is unique over the whole job (`s{step}-p{index}`)."""
+    """One draw of a prompt in one RL step.
+
+    `prompt_id` (`s{step}-p{draw}`) names the draw, not the dataset row: when the dataset size is not a
+    multiple of promptsPerStep a step that wraps into the next epoch may draw a row twice, and each draw is
+    its own group of samples.
+    """
 
     prompt_id: str
     step: int
-    index: int  # position in the dataset
+    index: int  # row of the dataset
+    draw: int = 0  # position among the step's draws (the order groups are trained in)
 
 
-def prompt_id(step: int, index: int) -> str:
-    return f"s{step}-p{index}"
+def prompt_id(step: int, draw: int) -> str:
+    return f"s{step}-p{draw}"
+
+
+def step_items(step: int, prompts_per_step: int, dataset_size: int, seed: int) -> list[PromptItem]:
+    """The step's draws, in order, each with a job-unique id (see `PromptItem`)."""
+    return [PromptItem(prompt_id(step, k), step, idx, k)
+            for k, idx in enumerate(step_prompt_indices(step, prompts_per_step, dataset_size, seed))]
 
 
 class LedgerError(RuntimeError):
@@ -50,14 +62,18 @@ class PromptLedger:
     """Every prompt of the job from enqueue to training, with who holds it.
 
     Invariant, checked by `check()`: every issued prompt is in exactly one of queued, in flight (held by
-    one worker), completed-not-trained, or trained. A drained or dead worker's prompts go back to the
-    front of the queue, so a step never loses a prompt and never trains one twice.
+    one worker), completed-not-trained, trained, or dropped. A drained or dead worker's prompts go back to the
+    front of the queue, so a step never loses a prompt and never trains one twice. A prompt whose rollout
+    itself fails (a task error, not a worker death) is retried a bounded number of times, then dropped with
+    a reason.
     """
 
     queue: deque[PromptItem] = field(default_factory=deque)
     in_flight: dict[str, dict[str, PromptItem]] = field(default_factory=dict)  # worker -> id -> item
     completed: dict[str, PromptItem] = field(default_factory=dict)
     trained: set[str] = field(default_factory=set)
+    dropped: dict[str, str] = field(default_factory=dict)  # id -> reason
+    failures: dict[str, int] = field(default_factory=dict)  # id -> failed rollout attempts so far
     issued: int = 0
     requeued: int = 0
 
@@ -67,14 +83,17 @@ class PromptLedger:
             self.issued += 1
 
     def take(self, worker: str, n: int, *, step: int | None = None) -> list[PromptItem]:
-        """Assign up to `n` queued prompts (of `step` only, when given) to `worker`."""
+        """Assign up to `n` queued prompts (of `step` only, when given) to `worker`; a suspect prompt goes alone."""
         out: list[PromptItem] = []
         while self.queue and len(out) < n:
-            if step is not None and self.queue[0].step != step:
+            nxt = self.queue[0]
+            if (step is not None and nxt.step != step) or (out and self.suspect(nxt)):
                 break
             item = self.queue.popleft()
             out.append(item)
             self.in_flight.setdefault(worker, {})[item.prompt_id] = item
+            if self.suspect(item):
+                break
         return out
 
     def complete(self, worker: str, prompt_ids: Iterable[str]) -> list[PromptItem]:
@@ -93,10 +112,30 @@ class PromptLedger:
     def requeue(self, worker: str) -> list[PromptItem]:
         """Put everything `worker` holds back at the front of the queue (in its original order)."""
         held = self.in_flight.pop(worker, {})
-        items = sorted(held.values(), key=lambda it: (it.step, it.index))
+        items = sorted(held.values(), key=lambda it: (it.step, it.draw))
         self.queue.extendleft(reversed(items))
         self.requeued += len(items)
         return items
+
+    def fail(self, worker: str, retries: int, reason: str) -> tuple[list[PromptItem], list[PromptItem]]:
+        """`worker`'s rollout of what it holds failed: prompts that failed at most `retries` times go back to
+        the front of the queue, the others are dropped with `reason`. Returns (requeued, dropped)."""
+        held = sorted(self.in_flight.pop(worker, {}).values(), key=lambda it: (it.step, it.draw))
+        again, dropped = [], []
+        for it in held:
+            n = self.failures[it.prompt_id] = self.failures.get(it.prompt_id, 0) + 1
+            if n > retries:
+                self.dropped[it.prompt_id] = reason
+                dropped.append(it)
+            else:
+                again.append(it)
+        self.queue.extendleft(reversed(again))
+        self.requeued += len(again)
+        return again, dropped
+
+    def suspect(self, item: PromptItem) -> bool:
+        """A prompt whose rollout failed before: it runs alone, so it cannot take good prompts down with it."""
+        return item.prompt_id in self.failures
 
     def mark_trained(self, prompt_ids: Iterable[str]) -> None:
         ids = list(prompt_ids)
@@ -117,16 +156,17 @@ class PromptLedger:
         return sum(len(v) for v in self.in_flight.values())
 
     def completed_for(self, step: int) -> list[PromptItem]:
-        return sorted((it for it in self.completed.values() if it.step == step), key=lambda it: it.index)
+        return sorted((it for it in self.completed.values() if it.step == step), key=lambda it: it.draw)
 
     def lost(self) -> int:
         """Issued prompts that are nowhere (0 unless a bug lost them)."""
-        return self.issued - len(self.queue) - self.in_flight_count() - len(self.completed) - len(self.trained)
+        return (self.issued - len(self.queue) - self.in_flight_count() - len(self.completed) - len(self.trained)
+                - len(self.dropped))
 
     def check(self) -> None:
         ids = [it.prompt_id for it in self.queue]
         ids += [pid for held in self.in_flight.values() for pid in held]
-        ids += list(self.completed) + list(self.trained)
+        ids += list(self.completed) + list(self.trained) + list(self.dropped)
         if len(ids) != len(set(ids)):
             raise LedgerError("a prompt is in two places at once")
         if len(ids) != self.issued:
@@ -135,17 +175,22 @@ class PromptLedger:
     # -- checkpointing ---------------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        """Checkpoint form; only valid at a step boundary (nothing in flight or completed-but-untrained)."""
-        if self.in_flight_count() or self.completed:
-            raise LedgerError("ledger snapshot requested mid-step")
-        return {"queue": [[it.prompt_id, it.step, it.index] for it in self.queue],
-                "trained": sorted(self.trained), "issued": self.issued, "requeued": self.requeued}
+        """Checkpoint form, taken at a step boundary. Prompts of later steps still in flight or completed but
+        not trained (async mode runs ahead) are saved as queued: a resumed job rolls them out again, on the
+        weights it resumed with, and trains each exactly once."""
+        pending = [it for held in self.in_flight.values() for it in held.values()] + list(self.completed.values())
+        queue = sorted(pending, key=lambda it: (it.step, it.draw)) + list(self.queue)
+        return {"queue": [[it.prompt_id, it.step, it.index, it.draw] for it in queue],
+                "trained": sorted(self.trained), "dropped": dict(self.dropped), "failures": dict(self.failures),
+                "issued": self.issued, "requeued": self.requeued}
 
     @classmethod
     def restore(cls, data: dict) -> PromptLedger:
         led = cls()
-        led.queue = deque(PromptItem(pid, step, idx) for pid, step, idx in data["queue"])
+        led.queue = deque(PromptItem(*row) for row in data["queue"])
         led.trained = set(data["trained"])
+        led.dropped = dict(data.get("dropped", {}))
+        led.failures = {k: int(v) for k, v in data.get("failures", {}).items()}
         led.issued = int(data["issued"])
         led.requeued = int(data.get("requeued", 0))
         return led
@@ -198,36 +243,53 @@ def chunk_size(prompts_left: int, idle_workers: int, max_chunk: int) -> int:
     return max(1, min(max_chunk, -(-prompts_left // idle_workers)))
 
 
+class DrainRefused(ValueError):
+    """A drain that would leave the job without a worker of a role (the HTTP layer answers 409)."""
+
+
 @dataclass
 class WorkerRecord:
     name: str
     role: str  # rollout | trainer
     state: WorkerState = WorkerState.ACTIVE
     weight_version: int = -1
+    identity: str | None = None  # the pod's Ray node ID in a cluster; None locally (the name is the identity)
 
 
 @dataclass
 class WorkerTable:
-    """Membership. Changes take effect at step boundaries (joins) or safe points (drains)."""
+    """Membership. Changes take effect at step boundaries (joins) or safe points (drains).
+
+    A worker is its identity, not its name: a retired identity stays retired for good (the pod it runs on may
+    live on for a while), and a pod recreated under the same name has a new identity and joins as a new member.
+    """
 
     workers: dict[str, WorkerRecord] = field(default_factory=dict)
+    retired_identities: set[str] = field(default_factory=set)
 
-    def add(self, name: str, role: str) -> WorkerRecord:
+    def add(self, name: str, role: str, identity: str | None = None) -> WorkerRecord:
         if name in self.workers and self.workers[name].state != WorkerState.RETIRED:
             raise ValueError(f"worker {name!r} already exists")
-        rec = WorkerRecord(name, role)
+        if identity is not None and identity in self.retired_identities:
+            raise ValueError(f"worker {name!r} on {identity} was retired; only a new pod may join under its name")
+        rec = WorkerRecord(name, role, identity=identity)
         self.workers[name] = rec
         return rec
 
     def drain(self, name: str) -> WorkerRecord:
-        """Mark for retirement; unknown names raise KeyError (the HTTP layer answers 404)."""
+        """Mark for retirement; unknown names raise KeyError (404), the last active worker of a role DrainRefused."""
         rec = self.workers[name]
         if rec.state == WorkerState.ACTIVE:
+            if self.active(rec.role) == [name]:
+                raise DrainRefused(f"{name} is the last active {rec.role} worker; the job cannot run without one")
             rec.state = WorkerState.DRAINING
         return rec
 
     def retire(self, name: str) -> None:
-        self.workers[name].state = WorkerState.RETIRED
+        rec = self.workers[name]
+        rec.state = WorkerState.RETIRED
+        if rec.identity is not None:
+            self.retired_identities.add(rec.identity)
 
     def active(self, role: str) -> list[str]:
         return [w.name for w in self.workers.values() if w.role == role and w.state == WorkerState.ACTIVE]

@@ -263,7 +263,7 @@ def run_coordinator(config: str) -> int:
 
 def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigterm: Callable[..., None]) -> int:
     import ray
-    from specrl.runtime.coordinator import JobCoordinator, Placement, latest_checkpoint, members_from_nodes
+    from specrl.runtime.coordinator import JobCoordinator, Placement, members_from_nodes
 
     ray.init(address=f"127.0.0.1:{port}")
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours must come back, or a complete job exits 15.
@@ -272,15 +272,15 @@ def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigt
     if token is None:
         log.warning("SPECRL_COORDINATOR_TOKEN is not set: POST /drain will refuse every request")
     placement = Placement(cluster=True, gpus_per_pod=settings.gpus_per_pod)
+    # a restarted pod resumes: start() asks trainer rank 0 for the newest checkpoint
     coord = JobCoordinator(settings, token=token or "", placement=placement, http_host="0.0.0.0",
-                           http_port=int(os.environ.get("SPECRL_HTTP_PORT", HTTP_PORT)),
-                           resume_from=latest_checkpoint(settings.checkpoint_dir))  # a restarted pod resumes
+                           http_port=int(os.environ.get("SPECRL_HTTP_PORT", HTTP_PORT)))
     try:
         deadline = time.monotonic() + float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "600"))
         while True:
             members = members_from_nodes(ray.nodes(), settings.job)
-            trainers = [n for n, r in members if r == "trainer"]
-            rollouts = [n for n, r in members if r == "rollout"]
+            trainers = [m.name for m in members if m.role == "trainer"]
+            rollouts = [m.name for m in members if m.role == "rollout"]
             if len(trainers) >= settings.trainers and rollouts:
                 break
             if time.monotonic() > deadline or stop["flag"]:
@@ -292,7 +292,7 @@ def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigt
         if stop["flag"]:  # SIGTERM between the check above and here
             raise _Terminated()
         try:
-            coord.start(trainers[: settings.trainers], rollouts)
+            coord.start(trainers[: settings.trainers], rollouts, {m.name: m.node_id for m in members})
             coord.run()
         except Exception as exc:
             stop["running"] = False

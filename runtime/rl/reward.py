@@ -3,7 +3,9 @@
 A reward function has the signature ``fn(prompt: str, completion: str, answer: str) -> float``.
 `SafeReward` wraps any of them for the rollout path: a function that raises, or returns something
 that is not a finite number, gives the sample reward 0.0 and bumps an error counter (surfaced in
-metrics by the caller) — a user's reward bug must never crash a long RL job.
+metrics by the caller) — a user's reward bug must never crash a long RL job. With `timeout_s` a call
+that runs longer also scores 0 and is counted in `timeouts`: it runs on its own daemon thread, which Python
+cannot stop, so a reward that never returns leaves that thread behind but never stalls the job.
 """
 
 from __future__ import annotations
@@ -78,17 +80,42 @@ class SafeReward:
     calls: int = 0
     last_error: str | None = None
     on_error: Callable[[BaseException | None], None] | None = None
+    timeout_s: float | None = None
+    timeouts: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
-    def from_spec(cls, spec: str, on_error: Callable[[BaseException | None], None] | None = None) -> SafeReward:
-        return cls(fn=load_reward(spec), name=spec, on_error=on_error)
+    def from_spec(cls, spec: str, on_error: Callable[[BaseException | None], None] | None = None,
+                  timeout_s: float | None = None) -> SafeReward:
+        return cls(fn=load_reward(spec), name=spec, on_error=on_error, timeout_s=timeout_s)
+
+    def _call(self, prompt: str, completion: str, answer: str) -> object:
+        if self.timeout_s is None:
+            return self.fn(prompt, completion, answer)
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = self.fn(prompt, completion, answer)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = exc
+
+        t = threading.Thread(target=run, name="specrl-reward", daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            with self._lock:
+                self.timeouts += 1
+            raise TimeoutError(f"took longer than {self.timeout_s:g}s")
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box.get("value")
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
         with self._lock:
             self.calls += 1
         try:
-            value = self.fn(prompt, completion, answer)
+            value = self._call(prompt, completion, answer)
             if isinstance(value, bool):
                 value = float(value)
             if not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -63,6 +63,10 @@ class RunSettings:
     micro_batch: int = 16
     chunk_prompts: int = 2
     torch_threads: int = 1
+    reward_timeout_s: float = 30.0
+    sync_timeout_s: float = 120.0
+    chunk_timeout_s: float = 900.0
+    prompt_retries: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> RunSettings:
@@ -145,6 +149,10 @@ def settings_from_job(job: Any) -> RunSettings:
         seed=alg.seed,
         eval_every=alg.eval_every,
         eval_size=alg.eval_size,
+        reward_timeout_s=spec.reward.timeout_seconds,
+        sync_timeout_s=spec.weight_sync.timeout_seconds,
+        chunk_timeout_s=spec.fault_tolerance.rollout_chunk_timeout_seconds,
+        prompt_retries=spec.fault_tolerance.prompt_retries,
         extra={"speculative": sp.model_dump(by_alias=True, exclude_none=True)},
     )
 

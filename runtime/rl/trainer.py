@@ -446,7 +446,8 @@ class TrainerWorker:
             modules["drafter"] = self.drafter.model
         flatten_modules_(**modules)
         self._sync_group = SyncGroup.create(host, port, rank=0, world_size=world_size,
-                                            backend=self.settings.sync_backend, epoch=epoch)
+                                            backend=self.settings.sync_backend, epoch=epoch,
+                                            timeout_s=self.settings.sync_timeout_s)
         self._sender = WeightSender(self._sync_group, bucket_mib=self.settings.bucket_mb)
         return True
 

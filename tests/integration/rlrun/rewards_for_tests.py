@@ -13,3 +13,12 @@ def length_reward(prompt: str, completion: str, answer: str) -> float:
 def starts_with_digit(prompt: str, completion: str, answer: str) -> float:
     """A behaviour the near-random micro policy shows about half the time: GRPO must make it the rule."""
     return 1.0 if completion[:1].isdigit() else 0.0
+
+
+def slow_on_marker(prompt: str, completion: str, answer: str) -> float:
+    """A reward that hangs (longer than the test's reward timeout) on prompts containing SLOW."""
+    if "SLOW" in prompt:
+        import time
+
+        time.sleep(5.0)
+    return length_reward(prompt, completion, answer)

@@ -79,6 +79,7 @@ class Pod:
     name: str
     proc: subprocess.Popen
     log: Path
+    metrics_port: int = 0
     sid: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,13 +140,19 @@ def short_tmp() -> Iterator[Path]:
 
 @dataclass
 class Cluster:
-    pods: list[Pod]
+    pods: list[Pod]  # the pods that must keep running (a pod that exits fails the wait)
     url: str
     token: str
+    launch: Callable[[str, str], Pod] = field(repr=False)  # start another pod (role, pod name)
 
     @property
     def sessions(self) -> set[int]:
         return {p.sid for p in self.pods}
+
+    def delete(self, pod: Pod) -> None:
+        """SIGTERM `pod` as the kubelet does when the operator deletes it, and stop watching it."""
+        self.terminate([pod])
+        self.pods.remove(pod)
 
     def fail(self, why: str) -> None:
         pytest.fail(f"{why}\n" + "\n".join(p.tail() for p in self.pods), pytrace=False)
@@ -194,12 +201,16 @@ class Cluster:
 
 @pytest.fixture
 def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """The three pods of a job of `steps` steps (indirect parameter), started together as the operator would."""
+    """The pods of a job, started together as the operator would: coordinator, one trainer, rollout workers.
+
+    Indirect parameter: the job's steps, or (steps, rollout pods)."""
     from specrl.runtime.paths import cache_dir
 
     policy, draft = micro
-    job = _write_job(tmp_path / "job.yaml", policy, draft, getattr(request, "param", STEPS))
-    http_port, head_port, *node_ports = _free_ports(2 + 3 * 2)
+    param = getattr(request, "param", STEPS)
+    steps, rollouts = param if isinstance(param, tuple) else (param, 1)
+    job = _write_job(tmp_path / "job.yaml", policy, draft, steps)
+    http_port, head_port, *node_ports = _free_ports(2 + (2 + rollouts) * 3)
     token = secrets.token_urlsafe(24)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SPECRL_"))}
     base.update({
@@ -209,28 +220,37 @@ def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureReque
         "SPECRL_CONNECT_TIMEOUT": "120", "SPECRL_CACHE_DIR": str(cache_dir()),
         "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
     })
-    pods: list[Pod] = []
+    pods: list[Pod] = []  # every pod ever started, for the cleanup
+
+    def launch(role: str, worker: str, ports: list[int] | None = None) -> Pod:
+        n = len(pods)
+        agent_port, extra_port, metrics_port = ports or _free_ports(3)
+        home = short_tmp / f"home-{n}"
+        (home / ".ray").mkdir(parents=True)
+        if role == "coordinator":  # what a local `ray.init` leaves behind; see the module docstring
+            (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+        # One host, several Ray nodes: each needs its own temp dir (session files, sockets) and the ports
+        # Ray otherwise takes at fixed defaults (dashboard agent 52365; Ray client server 10001 on the head).
+        ray_args = [f"--temp-dir={short_tmp / f'ray-{n}'}", f"--dashboard-agent-listen-port={agent_port}"]
+        if role == "coordinator":
+            ray_args.append(f"--ray-client-server-port={extra_port}")
+        env = {**base, "HOME": str(home), "SPECRL_ROLE": role, "SPECRL_WORKER": worker,
+               "SPECRL_WORKER_INDEX": worker.rsplit("-", 1)[-1], "SPECRL_RAY_START_ARGS": " ".join(ray_args)}
+        if role != "coordinator":  # the port the operator declares on worker pods
+            env["SPECRL_METRICS_PORT"] = str(metrics_port)
+        log = tmp_path / f"{worker}-{n}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([*SPECRL, "worker", role, "--config", str(job)], cwd=tmp_path, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        pods.append(Pod(role, proc, log, metrics_port))
+        return pods[-1]
+
     try:
-        for i, (role, worker) in enumerate([("coordinator", f"{JOB}-coordinator"), ("trainer", f"{JOB}-trainer-0"),
-                                            ("rollout", f"{JOB}-rollout-0")]):
-            home = short_tmp / f"home-{role}"
-            (home / ".ray").mkdir(parents=True)
-            if role == "coordinator":  # what a local `ray.init` leaves behind; see the module docstring
-                (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-            agent_port, extra_port = node_ports[2 * i: 2 * i + 2]
-            # One host, three Ray nodes: each needs its own temp dir (session files, sockets) and the ports
-            # Ray otherwise takes at fixed defaults (dashboard agent 52365; Ray client server 10001 on the head).
-            ray_args = [f"--temp-dir={short_tmp / f'ray-{role}'}", f"--dashboard-agent-listen-port={agent_port}"]
-            if role == "coordinator":
-                ray_args.append(f"--ray-client-server-port={extra_port}")
-            env = {**base, "HOME": str(home), "SPECRL_ROLE": role, "SPECRL_WORKER": worker,
-                   "SPECRL_WORKER_INDEX": "0", "SPECRL_RAY_START_ARGS": " ".join(ray_args)}
-            log = tmp_path / f"{role}.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen([*SPECRL, "worker", role, "--config", str(job)], cwd=tmp_path, env=env,
-                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            pods.append(Pod(role, proc, log))
-        yield Cluster(pods, f"http://127.0.0.1:{http_port}", token)
+        roles = [("coordinator", f"{JOB}-coordinator"), ("trainer", f"{JOB}-trainer-0")]
+        roles += [("rollout", f"{JOB}-rollout-{i}") for i in range(rollouts)]
+        for i, (role, worker) in enumerate(roles):
+            launch(role, worker, node_ports[3 * i: 3 * i + 3])
+        yield Cluster(list(pods), f"http://127.0.0.1:{http_port}", token, launch)
     finally:
         # Whatever went wrong: kill what is left in our own sessions only (never `ray stop`, which would end
         # every Ray instance on the machine).
@@ -269,23 +289,34 @@ def test_pod_entrypoints_run_a_job_as_separate_processes(cluster: Cluster):
     assert "ray::TrainerWorker" not in actors["coordinator"], actors  # the head offers no CPU
     assert "ray::RolloutWorker" not in actors["coordinator"], actors
 
-    # ---- Prometheus text with the job's labels, per worker
-    code, body = _get(f"{url}/metrics")
-    text = body.decode()
-    assert code == 200
+    # ---- Prometheus text with the job's labels: every pod serves the series its own process produces (the worker
+    # pods on their declared metrics port), the coordinator what only it knows; no series comes from two places
     labels = f'rljob="{JOB}",rljob_namespace="{NAMESPACE}"'
-    series = [ln for ln in text.splitlines() if labels in ln and not ln.startswith("#")]
-    assert series, text[:2000]
 
-    def value(name: str, worker: str) -> float:
+    def scrape(target: str) -> list[str]:
+        code, body = _get(target)
+        assert code == 200
+        return [ln for ln in body.decode().splitlines() if labels in ln and not ln.startswith("#")]
+
+    coord_series = scrape(f"{url}/metrics")
+    pod_series = {p.name: scrape(f"http://127.0.0.1:{p.metrics_port}/metrics") for p in cluster.pods[1:]}
+
+    def value(series: list[str], name: str, worker: str) -> float:
         hits = [ln for ln in series if ln.startswith(name + "{") and f'worker="{worker}"' in ln]
-        assert hits, f"no {name} for {worker} in:\n" + "\n".join(series)
+        assert len(hits) == 1, f"{name} for {worker}: {hits} in:\n" + "\n".join(series)
         return float(hits[0].rsplit(" ", 1)[1])
 
-    assert value("specrl_rollout_generated_tokens_total", f"{JOB}-rollout-0") > 0
-    assert value("specrl_rollout_sequences_completed_total", f"{JOB}-rollout-0") == STEPS * 4 * 2
-    assert value("specrl_trainer_step", f"{JOB}-trainer-0") == STEPS
-    assert value("specrl_weight_version", f"{JOB}-coordinator") == STEPS
+    rollout, trainer = pod_series["rollout"], pod_series["trainer"]
+    assert value(rollout, "specrl_rollout_generated_tokens_total", f"{JOB}-rollout-0") > 0
+    assert value(rollout, "specrl_rollout_sequences_completed_total", f"{JOB}-rollout-0") == STEPS * 4 * 2
+    # the version it decodes with: the last sync is staged and swapped in before its next rollout
+    assert value(rollout, "specrl_weight_version", f"{JOB}-rollout-0") == STEPS - 1
+    assert value(trainer, "specrl_trainer_step", f"{JOB}-trainer-0") == STEPS
+    assert value(trainer, "specrl_weight_sync_bytes_total", f"{JOB}-trainer-0") > 0
+    assert value(coord_series, "specrl_weight_version", f"{JOB}-coordinator") == STEPS
+    assert value(coord_series, "specrl_rollout_weight_staleness_versions", f"{JOB}-rollout-0") == 0
+    everywhere = [ln.rsplit(" ", 1)[0] for ln in coord_series + rollout + trainer]  # name and labels
+    assert len(everywhere) == len(set(everywhere)), "a series is exported twice"
 
     # ---- POST /drain needs the job's token; with it, an unknown worker is a 404 (and drains nothing)
     target = {"worker": f"{JOB}-rollout-0"}
@@ -321,3 +352,33 @@ def test_sigterm_stops_a_running_coordinator(cluster: Cluster):
     # is stopped after its head is gone: the raylet exits, the agents are orphaned and ignore SIGTERM. In a pod
     # they end with the container; here the fixture kills them. Everything else must be gone.
     cluster.assert_all_gone(t_stop, tolerate=("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
+
+
+@pytest.mark.parametrize("cluster", [(1000, 2)], indirect=True)  # far more steps than the test waits for
+def test_membership_follows_the_pod_not_its_name(cluster: Cluster):
+    """Issue 12.3 with real pods: a drained worker stays retired while its pod still runs (the operator deletes it
+    only after it saw `retired`), the pod recreated under the same name is a new member and gets work, and the
+    job's last trainer cannot be drained (409)."""
+    old = cluster.pods[3]  # coordinator, trainer, rollout-0, rollout-1
+    name = f"{JOB}-rollout-1"
+    auth = {"Authorization": f"Bearer {cluster.token}"}
+
+    def state(st: dict) -> str | None:
+        return {w["name"]: w["state"] for w in st.get("workers", [])}.get(name)
+
+    cluster.wait_status(lambda st: st.get("step", 0) >= 1 and state(st) == "active", "both rollout pods at work")
+    assert _post(f"{cluster.url}/drain", {"worker": f"{JOB}-trainer-0"}, auth) == 409
+    assert _post(f"{cluster.url}/drain", {"worker": name}, auth) == 202
+    step = cluster.wait_status(lambda st: state(st) == "retired", "the drained worker retired")["step"]
+    st = cluster.wait_status(lambda st: st["step"] >= step + 2, "two more steps")
+    assert state(st) == "retired" and old.proc.poll() is None  # its node is alive, and it is not put back to work
+
+    cluster.delete(old)
+    new = cluster.launch("rollout", name)
+    cluster.pods.append(new)
+    step = cluster.wait_status(lambda st: state(st) == "active", "the recreated pod joined")["step"]
+    cluster.wait_status(lambda st: st["step"] >= step + 2, "steps with the new member")
+    assert "ray::RolloutWorker" in " ".join(_processes_in({new.sid}).values())  # its actor runs on the new pod
+    code, body = _get(f"http://127.0.0.1:{new.metrics_port}/metrics")
+    assert code == 200 and f'specrl_rollout_sequences_completed_total{{rljob="{JOB}"' in body.decode()
+    cluster.terminate(cluster.pods)

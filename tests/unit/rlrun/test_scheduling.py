@@ -20,7 +20,7 @@ from specrl.runtime.scheduling import (
 
 
 def items(step, n):
-    return [PromptItem(prompt_id(step, i), step, i) for i in range(n)]
+    return [PromptItem(prompt_id(step, i), step, i, i) for i in range(n)]
 
 
 def test_ledger_happy_path():
@@ -73,12 +73,10 @@ def test_take_stays_within_one_step():
     assert [x.step for x in led.take("w", 5, step=0)] == []
 
 
-def test_snapshot_restore_round_trip_and_mid_step_refused():
+def test_snapshot_restore_round_trip():
     led = PromptLedger()
     led.enqueue(items(0, 2))
     got = led.take("w", 2)
-    with pytest.raises(LedgerError):
-        led.snapshot()
     led.complete("w", [x.prompt_id for x in got])
     led.mark_trained([x.prompt_id for x in got])
     led.enqueue(items(1, 1))
@@ -87,22 +85,48 @@ def test_snapshot_restore_round_trip_and_mid_step_refused():
     again.check()
 
 
+def test_snapshot_while_async_runs_ahead_requeues_the_prompts_in_flight():
+    """Async mode: at step n's boundary step n+1's prompts are in flight or completed-not-trained. The checkpoint
+    saves them as queued, in draw order, so the resumed job trains each exactly once."""
+    led = PromptLedger()
+    led.enqueue(items(0, 2) + items(1, 4))
+    s0 = led.take("w0", 2)
+    led.complete("w0", [x.prompt_id for x in s0])
+    led.mark_trained([x.prompt_id for x in s0])
+    a = led.take("w0", 1)  # s1-p0 in flight
+    b = led.take("w1", 2)  # s1-p1, s1-p2 completed, not trained
+    led.complete("w1", [x.prompt_id for x in b])
+    again = PromptLedger.restore(led.snapshot())
+    again.check()
+    assert [it.prompt_id for it in again.queue] == ["s1-p0", "s1-p1", "s1-p2", "s1-p3"]
+    assert again.in_flight_count() == 0 and not again.completed and again.lost() == 0
+    assert a and again.trained == {"s0-p0", "s0-p1"}
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["take", "complete", "die"]), st.integers(0, 2), st.integers(1, 3)),
-                max_size=40))
+@given(st.lists(st.tuples(st.sampled_from(["take", "complete", "die", "fail"]), st.integers(0, 2),
+                          st.integers(1, 3)), max_size=40))
 def test_ledger_never_loses_or_duplicates(ops):
-    """Random interleavings of assignment, completion and worker death: every prompt is trained exactly once."""
+    """Random interleavings of assignment, completion, worker death and task errors (one retry): every prompt is
+    trained exactly once or dropped after its second failure, never both, never lost."""
     led = PromptLedger()
     led.enqueue(items(0, 10))
     for op, w, n in ops:
         name = f"w{w}"
         if op == "take":
-            led.take(name, n)
+            if name not in led.in_flight:  # as the pool: one chunk per worker at a time
+                led.take(name, n)
         elif op == "complete":
             held = list(led.in_flight.get(name, {}))[:n]
             led.complete(name, held)
-        else:
+        elif op == "die":
             led.requeue(name)
+        else:
+            held = list(led.in_flight.get(name, {}).values())
+            again, dropped = led.fail(name, retries=1, reason="task error")
+            assert sorted(again + dropped, key=lambda it: it.draw) == sorted(held, key=lambda it: it.draw)
+            assert len(held) <= 1 or not any(led.failures[it.prompt_id] > 1 for it in held), \
+                "a prompt that failed before must have run alone"
         led.check()
     for name in list(led.in_flight):
         led.requeue(name)
@@ -111,7 +135,35 @@ def test_ledger_never_loses_or_duplicates(ops):
         led.complete("final", [x.prompt_id for x in got])
     led.mark_trained(list(led.completed))
     led.check()
-    assert led.trained == {prompt_id(0, i) for i in range(10)}
+    assert led.lost() == 0 and not led.trained & set(led.dropped)
+    assert led.trained | set(led.dropped) == {prompt_id(0, i) for i in range(10)}
+    assert all(led.failures[pid] == 2 for pid in led.dropped)
+
+
+def test_a_step_that_wraps_the_epoch_draws_a_row_twice_as_two_prompts():
+    """Issue 13.15: 59 prompts, 16 per step. Step 3 draws rows 48..63 of the pass, i.e. the last 11 of epoch 0
+    and the first 5 of epoch 1 (another permutation), so a row may appear twice; each draw is its own prompt."""
+    from specrl.runtime.scheduling import step_items
+
+    seen_twice = False
+    for step in range(16):
+        its = step_items(step, 16, 59, seed=0)
+        ids = [it.prompt_id for it in its]
+        assert len(set(ids)) == 16 and [it.draw for it in its] == list(range(16))
+        assert [it.index for it in its] == step_prompt_indices(step, 16, 59, 0)
+        seen_twice |= len({it.index for it in its}) < 16
+    assert seen_twice, "the reproduction needs a step that draws some row twice"
+
+
+def test_training_batch_keeps_two_draws_of_one_row_apart():
+    from specrl.runtime.coordinator.trainers import training_batch
+
+    samples = [{"prompt_id": pid, "reward": r, "response_ids": [1]}
+               for pid, r in (("s0-p1", 1.0), ("s0-p0", 0.0), ("s0-p1", 0.0), ("s0-p0", 1.0))]
+    out = training_batch(samples, group_size=2)
+    assert [x["prompt_id"] for x in out] == ["s0-p0", "s0-p0", "s0-p1", "s0-p1"]
+    adv = [x["advantage"] for x in out]
+    assert adv[0] < 0 < adv[1] and adv[2] > 0 > adv[3]
 
 
 def test_long_tail_detector():
@@ -170,18 +222,22 @@ def test_members_from_ray_nodes():
         {"Alive": False, "Resources": {pod_resource("job-rollout-2"): 1}},
         {"Alive": True, "Resources": {pod_resource("other-rollout-0"): 1}},
     ]
-    assert members_from_nodes(nodes, "job") == [("job-rollout-1", "rollout"), ("job-trainer-0", "trainer")]
+    assert [(m.name, m.role) for m in members_from_nodes(nodes, "job")] == [("job-rollout-1", "rollout"),
+                                                                              ("job-trainer-0", "trainer")]
 
 
 def test_checkpoint_listing_and_pruning(tmp_path):
     from specrl.runtime.coordinator import latest_checkpoint, list_checkpoints, prune_checkpoints
+    from specrl.runtime.coordinator.checkpoints import mark_complete
 
     assert latest_checkpoint(None) is None and latest_checkpoint(tmp_path / "none") is None
     for n in (1, 2, 3, 4):
         d = tmp_path / f"step-{n:06d}"
         d.mkdir()
         (d / "trainer.pt").write_bytes(b"x")
-    (tmp_path / "step-000005").mkdir()  # torn: no trainer.pt, never resumed from
+        mark_complete(d, {"step": n})
+    (tmp_path / "step-000005").mkdir()  # torn: every rank wrote its part but the marker is missing
+    (tmp_path / "step-000005" / "trainer.pt").write_bytes(b"x")
     assert latest_checkpoint(tmp_path).endswith("step-000004")
     prune_checkpoints(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]

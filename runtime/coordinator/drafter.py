@@ -1,0 +1,65 @@
+"""Drafter scheduling (TLT): train the drafter on idle capacity in the long tail of a step.
+
+In sync mode a rollout worker with nothing left to decode trains a lent copy of the drafter master copy and
+hands it back; otherwise the trainer rank 0, which waits for its samples anyway, trains it in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from specrl.runtime.coordinator.rollouts import RolloutPool
+from specrl.runtime.coordinator.shared import Shared
+from specrl.runtime.coordinator.trainers import TrainerGroup
+
+log = logging.getLogger(__name__)
+
+
+class DrafterScheduler:
+    def __init__(self, shared: Shared, trainers: TrainerGroup, rollouts: RolloutPool) -> None:
+        self.sh, self.trainers, self.rollouts = shared, trainers, rollouts
+        self._running: tuple[Any, str] | None = None  # (ref, where)
+        self._t0 = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self._running is not None
+
+    def start(self, samples: list[dict], deadline_s: float) -> None:
+        import ray
+
+        seqs = [smp["prompt_ids"] + smp["response_ids"] for smp in samples]
+        lens = [len(smp["prompt_ids"]) for smp in samples]
+        max_steps = self.sh.settings.drafter_max_steps
+        idle = self.rollouts.idle()
+        self._t0 = time.perf_counter()
+        if idle and self.sh.settings.mode == "sync":
+            state = ray.get(self.trainers.first().drafter_state.remote())
+            if state is not None:
+                ref = self.rollouts.actors[idle[0]].train_drafter.remote(state, seqs, lens, max_steps, deadline_s)
+                self._running = (ref, idle[0])
+                return
+        name = self.trainers.names()[0]
+        self._running = (self.trainers.actors[name].train_drafter.remote(seqs, lens, max_steps, deadline_s), name)
+
+    def finish(self) -> dict:
+        """Wait for the round started in this step; {steps, seconds, where}. A failed round keeps the old drafter."""
+        import ray
+
+        if self._running is None:
+            return {"steps": 0, "seconds": 0.0}
+        (ref, where), self._running = self._running, None
+        try:
+            out = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - a lost drafter round is not worth failing the step
+            log.warning("drafter training on %s failed (%s); keeping the previous drafter", where, exc)
+            out = {"steps": 0, "loss": float("nan")}
+        if "state" in out:  # trained on a rollout worker: the master copy goes back to trainer rank 0
+            ray.get(self.trainers.first().load_drafter_state.remote(out["state"]))
+        if out["steps"]:
+            role = "trainer" if where in self.trainers.actors else "rollout"
+            self.sh.series.of(where, role).drafter_train_steps.inc(out["steps"])
+            self.sh.series.of(where, role).drafter_loss.set(out["loss"])
+        return {"steps": int(out["steps"]), "seconds": time.perf_counter() - self._t0, "where": where}

@@ -1,0 +1,22 @@
+"""What every part of the coordinator shares: the settings, one lock, the prompt ledger, the worker table and
+the metric series. The HTTP thread reads it under `lock` while the step loop changes it."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from specrl.runtime.coordinator.records import WorkerSeries
+from specrl.runtime.rl.settings import RunSettings
+from specrl.runtime.scheduling import PromptLedger, WorkerTable
+
+
+@dataclass
+class Shared:
+    settings: RunSettings
+    cm: Any  # the coordinator's own RuntimeMetrics (role "coordinator")
+    series: WorkerSeries
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    ledger: PromptLedger = field(default_factory=PromptLedger)
+    table: WorkerTable = field(default_factory=WorkerTable)

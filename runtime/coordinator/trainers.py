@@ -1,0 +1,149 @@
+"""The trainer group: the data-parallel trainer actors, their membership changes, and one GRPO step over them.
+
+Trainers join and leave only at step boundaries (`regroup`): the drained ones leave, the joining ones copy the
+weights and optimizer state of a remaining rank, and every member enters one new data-parallel group.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from specrl.runtime.coordinator.placement import Placement, kill_actors, serve_metrics_from
+from specrl.runtime.coordinator.shared import Shared
+from specrl.runtime.scheduling import LedgerError, split_even
+
+log = logging.getLogger(__name__)
+
+
+def training_batch(samples: list[dict], group_size: int) -> list[dict]:
+    """A step's samples in prompt order, each group complete, with group-normalised advantages."""
+    import torch
+    from specrl.runtime.rl.grpo import group_advantages
+
+    by_prompt: dict[str, list[dict]] = {}
+    for smp in samples:
+        by_prompt.setdefault(smp["prompt_id"], []).append(smp)
+    ordered: list[dict] = []
+    for pid in sorted(by_prompt, key=lambda p: int(p.split("-p")[1])):
+        group = by_prompt[pid]
+        if len(group) != group_size:
+            raise LedgerError(f"prompt {pid} has {len(group)} samples, expected {group_size}")
+        ordered.extend(group)
+    if ordered:
+        adv = group_advantages(torch.tensor([x["reward"] for x in ordered], dtype=torch.float64), group_size)
+        for x, a in zip(ordered, adv.tolist()):
+            x["advantage"] = float(a)
+    return ordered
+
+
+class TrainerGroup:
+    def __init__(self, shared: Shared, placement: Placement) -> None:
+        self.sh = shared
+        self.placement = placement
+        self.actors: dict[str, Any] = {}
+        self.pending: dict[str, str | None] = {}  # trainers that join at the next step boundary -> node ID
+        self.generation = 0  # bumped whenever the group changes (the weight-sync sender may have changed)
+
+    def names(self) -> list[str]:
+        return list(self.actors)
+
+    def first(self) -> Any:
+        """Rank 0: it sends the weights and holds the drafter's master copy."""
+        return next(iter(self.actors.values()))
+
+    def _spawn(self, name: str, rank: int, world: int, node_id: str | None) -> None:
+        import ray
+        from specrl.runtime.rl.trainer import TrainerWorker
+
+        with self.sh.lock:
+            self.sh.table.add(name, "trainer", node_id)
+        opts = self.placement.options(name, "trainer", node_id)
+        self.actors[name] = ray.remote(TrainerWorker).options(**opts).remote(self.sh.settings, rank, world, name)
+        if self.placement.cluster:
+            serve_metrics_from(self.actors[name], name, "trainer", self.sh.series)
+
+    def start(self, names: list[str], node_ids: dict[str, str] | None = None) -> None:
+        import ray
+
+        for rank, name in enumerate(names):
+            self._spawn(name, rank, len(names), (node_ids or {}).get(name))
+        host, port = ray.get(self.first().node_address.remote())
+        # each trainer picks the backend of its gradients' device (devices.collective_backend)
+        ray.get([a.init_data_parallel.remote(host, port) for a in self.actors.values()])
+
+    def request_join(self, name: str, node_id: str | None = None) -> None:
+        self.pending.setdefault(name, node_id)
+
+    def regroup(self) -> None:
+        """Apply trainer drains and joins: one new data-parallel group over the remaining and new trainers."""
+        import ray
+
+        with self.sh.lock:
+            draining = [n for n in self.sh.table.draining("trainer") if n in self.actors]
+            joining = dict(self.pending)
+            self.pending.clear()
+        if not draining and not joining:
+            return
+        keep = [n for n in self.actors if n not in draining]
+        if not keep and not joining:
+            log.warning("not retiring %s: it is the last trainer", draining[-1])
+            draining, keep = draining[:-1], [draining[-1]]
+        source = self.actors[keep[0]] if keep else self.first()
+        state = ray.get(source.export_state.remote())
+        if self.actors and next(iter(self.actors)) in draining and "drafter" not in state:
+            state = {**state, **{k: v for k, v in ray.get(self.first().export_state.remote()).items()
+                                 if k == "drafter"}}
+        for name in draining:
+            ray.kill(self.actors.pop(name))
+            with self.sh.lock:
+                self.sh.table.retire(name)
+            log.info("trainer %s retired (drained)", name)
+            self.sh.series.drop(name)
+        for name, node_id in joining.items():
+            self._spawn(name, len(self.actors), len(self.actors) + 1, node_id)
+        names = list(self.actors)
+        ray.get([self.actors[n].close_sync_group.remote() for n in names if n in keep])
+        host, port = ray.get(self.actors[names[0]].node_address.remote())
+        ray.get([self.actors[n].regroup.remote(rank, len(names), host, port) for rank, n in enumerate(names)])
+        ray.get([self.actors[n].import_state.remote(state) for n in names if n not in keep or n == names[0]])
+        self.generation += 1
+
+    def start_training(self, step: int, samples: list[dict]) -> list:
+        """Split the step's groups evenly over the ranks and start one GRPO update on each (Ray refs)."""
+        from specrl.runtime.rl.trainer import Sample
+
+        g = self.sh.settings.group_size
+        groups = [samples[i:i + g] for i in range(0, len(samples), g)]
+        shards = split_even(groups, len(self.actors))
+        total_tokens = sum(len(x["response_ids"]) for x in samples)
+        return [actor.train_step.remote([Sample(**x) for grp in shard for x in grp], step, total_tokens)
+                for actor, shard in zip(self.actors.values(), shards)]
+
+    def account(self, samples: list[dict], train_out: list[dict], seconds: float, weight_version: int) -> float:
+        """Export the step's trainer series; returns the mean reward."""
+        rewards = [x["reward"] for x in samples]
+        mean = sum(rewards) / max(1, len(rewards))
+        # Per-rank series from what each rank measured and returned (its own loss, time and samples).
+        own = {o.get("worker"): o for o in train_out}
+        for name in self.actors:
+            wm = self.sh.series.of(name, "trainer")
+            o = own.get(name, {})
+            wm.trainer_step.set(weight_version)
+            wm.trainer_step_duration.observe(float(o.get("seconds", seconds)))
+            wm.trainer_reward_mean.set(mean)
+            wm.trainer_samples.inc(int(o.get("samples", 0)))
+            if "loss" in o:
+                wm.trainer_loss.set(o["loss"])
+            wm.weight_version.set(weight_version)
+        self.sh.cm.trainer_reward_mean.set(mean)
+        self.sh.cm.trainer_step.set(weight_version)
+        return mean
+
+    def digest(self) -> str:
+        import ray
+
+        return ray.get(self.first().digest.remote())
+
+    def shutdown(self) -> None:
+        kill_actors(self.actors)
