@@ -86,15 +86,19 @@ def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = 
         size *= 2
 
 
-def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int) -> int:
-    """The context the engines must hold: twice (longest prompt of the job + completion budget).
+def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int, model_positions: int | None = None) -> int:
+    """The context the engines must hold: twice (longest prompt of the job + completion budget), never more
+    than the model's own `max_position_embeddings`.
 
     Twice, because a ragged catch-up forward (a draft model feeding a just-joined prompt beside a long-running
-    row) addresses positions up to max(starts) + widest chunk, which can reach twice the longest sequence.
+    row) addresses positions up to max(starts) + widest chunk, which can reach twice the longest sequence. The
+    model's context caps it: a prompt the model was never trained to attend over is refused by the engine (a
+    task error, dropped with its reason) instead of decoding silently past the trained positions.
     """
     from specrl.runtime.rl.task import prompt_token_ids
 
-    return 2 * (max((len(prompt_token_ids(p, tokenizer)) for p in problems), default=1) + max_new_tokens + 1)
+    wanted = 2 * (max((len(prompt_token_ids(p, tokenizer)) for p in problems), default=1) + max_new_tokens + 1)
+    return min(wanted, model_positions) if model_positions else wanted
 
 
 def prompt_style(tokenizer: Any) -> str:
@@ -139,7 +143,8 @@ class RolloutWorker:
             # The static KV cache is preallocated per slot: size it to this job's prompts, not the model's context
             # (SmolLM2's 8192 positions would cost ~190 MB per slot in float32).
             self.max_model_len = max_model_len(self.problems + self.eval_problems, self.tokenizer,
-                                               settings.max_new_tokens)
+                                               settings.max_new_tokens,
+                                               getattr(self.model.config, "max_position_embeddings", None))
             self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft,
                                         max_model_len=self.max_model_len)
             if settings.adaptive and settings.method != "none":
