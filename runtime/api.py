@@ -30,7 +30,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
-from specrl.runtime.api_base import (  # noqa: F401 - re-exported: api.QUANTITY, api.MAX_REF, ... are public
+
+from .api_base import (  # noqa: F401 - re-exported: api.QUANTITY, api.MAX_REF, ... are public
     DNS1123_LABEL,
     ENV_NAME,
     MAX_ITEMS,
@@ -43,7 +44,7 @@ from specrl.runtime.api_base import (  # noqa: F401 - re-exported: api.QUANTITY,
     _raise,
     _Strict,
 )
-from specrl.runtime.podspec import PodTemplate, merge_templates, mount_problems
+from .podspec import PodTemplate, merge_templates, mount_problems
 
 GROUP = "specrl.io"
 VERSION = "v1alpha1"

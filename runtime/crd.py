@@ -26,7 +26,8 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, TypeAdapter
-from specrl.runtime import api
+
+from . import api
 
 CRD_NAME = f"{api.PLURAL}.{api.GROUP}"
 CRD_FILE = f"{api.GROUP}_{api.PLURAL}.yaml"

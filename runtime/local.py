@@ -38,8 +38,8 @@ class JobError(Exception):
 
 
 def load_settings(path: str, steps: int | None = None):
-    from specrl.runtime.api import JobValidationError, load_job
-    from specrl.runtime.rl.settings import RunSettings
+    from .api import JobValidationError, load_job
+    from .rl.settings import RunSettings
 
     p = Path(path)
     if not p.is_file():
@@ -59,7 +59,8 @@ def load_settings(path: str, steps: int | None = None):
 def check_settings(settings, source: str = "<job>", name: str = ""):
     """Checks that need the machine (files, installed functions, devices); local-mode adjustments."""
     import torch
-    from specrl.runtime.rl.reward import RewardLoadError, load_reward
+
+    from .rl.reward import RewardLoadError, load_reward
 
     prefix = f"{source}: {name}: " if name else f"{source}: "
     if not settings.dataset.startswith("builtin:") and not Path(settings.dataset).is_file():
@@ -68,7 +69,7 @@ def check_settings(settings, source: str = "<job>", name: str = ""):
         load_reward(settings.reward)
     except RewardLoadError as exc:
         raise JobError(f"{prefix}spec.reward.function: {exc}") from None
-    from specrl.runtime.models.hub import preflight
+    from .models.hub import preflight
 
     try:
         preflight(settings)  # model folder, architecture, tokenizer, draft vocabulary, dtype on the device
@@ -106,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
 
 def build_models(settings, progress: bool) -> None:
     """Build (or find cached) builtin models in the driver, with a progress bar, before any actor loads them."""
-    from specrl.runtime.models.bootstrap import ensure_models
+    from .models.bootstrap import ensure_models
 
     names = [n for n in (settings.model, settings.draft_model) if n and n.startswith("builtin:")]
     if not names:
@@ -115,7 +116,7 @@ def build_models(settings, progress: bool) -> None:
     if not progress:
         ensure_models(names, threads=threads)
         return
-    from specrl.runtime.models.bootstrap import _rich_progress
+    from .models.bootstrap import _rich_progress
 
     bar, update = _rich_progress()
     with bar:
@@ -139,8 +140,9 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
             coordinator_options: dict | None = None) -> dict[str, Any]:
     """Run the job end to end and write the outputs; returns the summary."""
     import ray
-    from specrl.runtime.coordinator import JobCoordinator
-    from specrl.runtime.coordinator_http import free_port
+
+    from .coordinator import JobCoordinator
+    from .coordinator_http import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -212,8 +214,8 @@ def _mean(xs: list[float]) -> float:
 
 
 def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall: float) -> dict[str, Any]:
-    from specrl.runtime.coordinator import acceptance_length
-    from specrl.runtime.rl.significance import length_profile, paired_comparison
+    from .coordinator import acceptance_length
+    from .rl.significance import length_profile, paired_comparison
 
     acc_last = next((r["acceptance_length"] for r in reversed(records) if r["acceptance_length"] is not None), None)
     rollout_s = sum(r["rollout_seconds"] for r in records)
@@ -415,7 +417,7 @@ class Display:
             self.live.update(self._render())
 
     def add_step(self, rec: dict) -> None:
-        from specrl.runtime.rl.significance import length_profile
+        from .rl.significance import length_profile
 
         acc = rec["acceptance_length"]
         ev = rec.get("eval_accuracy")
@@ -507,7 +509,7 @@ def _plot_reward(ax, records: list[dict], summary: dict, _compare: dict | None) 
 
 
 def _plot_lengths(ax, records: list[dict], _summary: dict, _compare: dict | None) -> None:
-    from specrl.runtime.rl.significance import length_profile
+    from .rl.significance import length_profile
 
     steps = [r["step"] for r in records]
     prof = [length_profile(r["response_lengths"]) for r in records]

@@ -7,7 +7,7 @@ Metrics live in a dedicated `CollectorRegistry`, never the process-global defaul
 tests) in one process each get their own registry, or share one on purpose (a coordinator that re-exports the
 numbers of its workers). Usage::
 
-    from specrl.runtime.metrics import RuntimeMetrics, render
+    from .metrics import RuntimeMetrics, render
 
     m = RuntimeMetrics(job="demo", namespace="default", role="rollout", worker="demo-rollout-0")
     m.generated_tokens.inc(128)

@@ -25,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
-from specrl.runtime.api_base import (
+
+from .api_base import (
     DNS1123_LABEL,
     ENV_NAME,
     MAX_ITEMS,

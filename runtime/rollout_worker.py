@@ -15,8 +15,9 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from specrl.runtime.rl.settings import RunSettings
-from specrl.runtime.rl.trainer import Sample
+
+from .rl.settings import RunSettings
+from .rl.trainer import Sample
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def stats_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, 
 def load_problem_split(settings: RunSettings, style: str = "toy") -> tuple[list, list]:
     """(training problems, held-out evaluation problems) for the job's dataset; `style` is the synthetic task's
     prompt form ("toy" for the character-level builtins, "chat" for real models)."""
-    from specrl.runtime.rl.task import BUILTIN_TASK, load_jsonl
+    from .rl.task import BUILTIN_TASK, load_jsonl
 
     if settings.dataset in (BUILTIN_TASK, "builtin", "arithmetic"):
         # Short expressions recur across seeds, so a second seed alone does not hold problems out: a hash of the
@@ -71,7 +72,7 @@ def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = 
                style: str = "toy") -> list:
     """The first `n` problems of the seeded synthetic task that `keep` accepts (and, if `distinct`, whose
     prompt did not come earlier)."""
-    from specrl.runtime.rl.task import SyntheticTask
+    from .rl.task import SyntheticTask
 
     size = n + n // 4 + 16
     while True:
@@ -95,7 +96,7 @@ def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int, model_pos
     model's context caps it: a prompt the model was never trained to attend over is refused by the engine (a
     task error, dropped with its reason) instead of decoding silently past the trained positions.
     """
-    from specrl.runtime.rl.task import prompt_token_ids
+    from .rl.task import prompt_token_ids
 
     wanted = 2 * (max((len(prompt_token_ids(p, tokenizer)) for p in problems), default=1) + max_new_tokens + 1)
     return min(wanted, model_positions) if model_positions else wanted
@@ -103,16 +104,16 @@ def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int, model_pos
 
 def prompt_style(tokenizer: Any) -> str:
     """The synthetic task's prompt form for this tokenizer: the toy form only for the character tokenizer."""
-    from specrl.runtime.rl.tokenizer import CharTokenizer
+    from .rl.tokenizer import CharTokenizer
 
     return "toy" if isinstance(tokenizer, CharTokenizer) else "chat"
 
 
 class RolloutWorker:
     def __init__(self, settings: RunSettings, name: str, metrics: Any = None) -> None:
-        from specrl.runtime.engine import RolloutEngine, SpeculativeConfig
-        from specrl.runtime.models.hub import check_same_vocab, load_causal_lm, load_tokenizer
-        from specrl.runtime.rl.reward import SafeReward
+        from .engine import RolloutEngine, SpeculativeConfig
+        from .models.hub import check_same_vocab, load_causal_lm, load_tokenizer
+        from .rl.reward import SafeReward
 
         torch.set_num_threads(max(1, settings.torch_threads))
         self.settings, self.name, self.metrics = settings, name, metrics
@@ -129,7 +130,7 @@ class RolloutWorker:
             self.engine, self.vllm_updates = build_vllm_engine(settings)
             self.ar_engine = None  # no plain-decoding twin on the GPU: vLLM's per-batch-size K covers SD-off
         else:
-            from specrl.runtime.devices import device_for
+            from .devices import device_for
 
             device = device_for(settings.gpus_per_pod)
             # The rollout copy holds the weights in spec.model.dtype (the trainer keeps float32 masters).
@@ -162,8 +163,8 @@ class RolloutWorker:
     def _install_adaptive_controller(self) -> None:
         """Calibrate the cost model on this machine with the job's own prompts, then let the controller decide
         per decode step whether to speculate and how far (DESIGN §5)."""
-        from specrl.runtime.engine.adaptive import AdaptiveController, calibrate, settings_from_spec
-        from specrl.runtime.rl.task import prompt_token_ids
+        from .engine.adaptive import AdaptiveController, calibrate, settings_from_spec
+        from .rl.task import prompt_token_ids
 
         prompts = [prompt_token_ids(p, self.tokenizer) for p in self.problems[:8]]
         cal = calibrate(self.engine, prompts, batch_sizes=(1, 2, 4, 8), gammas=(2, 4), steps=6, rounds=1,
@@ -184,7 +185,7 @@ class RolloutWorker:
     # -- weights --------------------------------------------------------------------------------------
 
     def open_sync_group(self, host: str, port: int, rank: int, world_size: int, epoch: int) -> bool:
-        from specrl.runtime.sync import SyncGroup, WeightReceiver
+        from .sync import SyncGroup, WeightReceiver
 
         self.close_sync_group()
         if self.vllm_updates is not None:  # vLLM's own NCCL group; the trainer (rank 0) sends with vLLM's producer
@@ -211,7 +212,7 @@ class RolloutWorker:
         """
         if self.vllm_updates is not None:
             return self._receive_into_vllm(expected_version)
-        from specrl.runtime.sync import split_states
+        from .sync import split_states
 
         assert self._receiver is not None, "open_sync_group first"
         version, flat, stats = self._receiver.receive()
@@ -282,7 +283,7 @@ class RolloutWorker:
         return self.ar_engine
 
     def _params(self, seed: int, greedy: bool = False):
-        from specrl.runtime.engine import SamplingParams
+        from .engine import SamplingParams
 
         s = self.settings
         return SamplingParams(temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p,
@@ -291,7 +292,7 @@ class RolloutWorker:
 
     def generate(self, items: list[tuple[str, int]], step: int, use_sd: bool = True) -> dict[str, Any]:
         """Roll out `group_size` samples for each (prompt_id, dataset index); returns samples and stats."""
-        from specrl.runtime.rl.task import prompt_token_ids
+        from .rl.task import prompt_token_ids
 
         self._apply_pending()
         s = self.settings
@@ -317,7 +318,7 @@ class RolloutWorker:
             ids = [int(t) for t in out.token_ids]
             text = self.tokenizer.decode(ids)
             reward = self.reward(problem.prompt, text, problem.answer)
-            from specrl.runtime.rl.task import is_correct
+            from .rl.task import is_correct
 
             samples.append(asdict(Sample(prompt_id=pid, prompt_ids=prompts[k], response_ids=ids,
                                          logprobs=[float(x) for x in out.logprobs], reward=reward,
@@ -348,7 +349,7 @@ class RolloutWorker:
         temperature, each with a seed fixed by (job seed, problem, k) — never by the weights — so an evaluation
         before and one after training draw paired samples (see `specrl.runtime.rl.significance`).
         """
-        from specrl.runtime.rl.task import is_correct, prompt_token_ids
+        from .rl.task import is_correct, prompt_token_ids
 
         self._apply_pending()
         if split not in ("heldout", "trained"):
@@ -418,7 +419,7 @@ class RolloutWorker:
         drafter this worker's engine serves changes only with the next weight sync, like everyone else's."""
         import copy
 
-        from specrl.runtime.rl.drafter_trainer import DrafterTrainer
+        from .rl.drafter_trainer import DrafterTrainer
 
         if self.draft is None:
             return {"steps": 0, "loss": float("nan"), "state": state}
@@ -445,8 +446,9 @@ def build_vllm_engine(settings: RunSettings) -> tuple[Any, VLLMUpdates]:
     configs, the same list the trainer sends (`vllm_backend.named_weights`).
     """
     import torch
-    from specrl.runtime.engine.vllm_backend import VLLMRolloutEngine, weight_update_info_for
-    from specrl.runtime.rl.trainer import trains_drafter
+
+    from .engine.vllm_backend import VLLMRolloutEngine, weight_update_info_for
+    from .rl.trainer import trains_drafter
 
     policy = _model_ref(settings.model)
     draft = _model_ref(settings.draft_model) if settings.draft_model else None
@@ -462,7 +464,7 @@ def build_vllm_engine(settings: RunSettings) -> tuple[Any, VLLMUpdates]:
 def _model_ref(name: str) -> str:
     """A builtin -> its built HF folder; a folder or an HF id is what vLLM loads as is."""
     if name.startswith("builtin:"):
-        from specrl.runtime.models.bootstrap import resolve_model_path
+        from .models.bootstrap import resolve_model_path
 
         return str(resolve_model_path(name))
     return name

@@ -85,7 +85,7 @@ from torch.distributed import (
 )
 
 if TYPE_CHECKING:
-    from specrl.runtime.metrics import RuntimeMetrics
+    from .metrics import RuntimeMetrics
 
 MAGIC = 0x5350_4543_524C  # "SPECRL"
 PROTOCOL = 1

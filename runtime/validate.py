@@ -14,7 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specrl.runtime.api import Problem, check_text, read_problem
+from .api import Problem, check_text, read_problem
 
 YAML_SUFFIXES = (".yaml", ".yml", ".json")  # JSON is YAML 1.2; kubectl reads both
 

@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specrl.runtime.rl.settings import RunSettings
+    from .rl.settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ def pin_ray_auth(env: dict[str, str]) -> dict[str, str]:
 
 
 def _load(config: str) -> RunSettings:
-    from specrl.runtime.api import JobValidationError, load_job
-    from specrl.runtime.rl.settings import RunSettings
+    from .api import JobValidationError, load_job
+    from .rl.settings import RunSettings
 
     if not Path(config).is_file():
         raise WorkerError(f"--config: no such file {config!r}")
@@ -182,7 +182,7 @@ def run_member(role: str, config: str) -> int:
     settings = _load(config)
     timeout = float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "300"))
     wait_for_coordinator(os.environ.get("SPECRL_COORDINATOR_ADDR"), ray_addr, timeout)
-    from specrl.runtime.coordinator import pod_resource, role_resource
+    from .coordinator import pod_resource, role_resource
 
     resources = {role_resource(role): 1, pod_resource(name): 1}
     cmd = [_ray_cli(), "start", f"--address={ray_addr}", f"--resources={json.dumps(resources)}", "--block",
@@ -263,7 +263,8 @@ def run_coordinator(config: str) -> int:
 
 def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigterm: Callable[..., None]) -> int:
     import ray
-    from specrl.runtime.coordinator import JobCoordinator, Placement, members_from_nodes
+
+    from .coordinator import JobCoordinator, Placement, members_from_nodes
 
     ray.init(address=f"127.0.0.1:{port}")
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours must come back, or a complete job exits 15.

@@ -35,15 +35,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
-from specrl.runtime.engine.adaptive import (
+
+from ..engine import RolloutEngine, SamplingParams, SpeculativeConfig
+from ..engine.adaptive import (
     AdaptiveController,
     AdaptiveSettings,
     Calibration,
     calibrate,
     label,
 )
-from specrl.runtime.engine.control import Decision, FixedController, StepRecord
+from ..engine.control import Decision, FixedController, StepRecord
 
 BENCH_SEED = 20260522
 TARGET = "builtin:bench"
@@ -122,7 +123,7 @@ def _tiny_llama(vocab: int, hidden: int, layers: int, seed: int, heads: int = 4)
 
 
 def load_models(quick: bool, progress: Callable[[str], None]) -> Models:
-    from specrl.runtime.rl.tokenizer import CharTokenizer
+    from ..rl.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     if quick:
@@ -133,7 +134,7 @@ def load_models(quick: bool, progress: Callable[[str], None]) -> Models:
         return Models(target, draft, tok.eos_id, tok.vocab_size, info)
     import os
 
-    from specrl.runtime.models.bootstrap import build_info, load_policy
+    from ..models.bootstrap import build_info, load_policy
 
     # Overrides (a builtin name or a model folder) exist for development; the benchmark's numbers are quoted
     # for the defaults.
@@ -162,8 +163,8 @@ def _steps(info: dict[str, Any]) -> int | None:
 
 
 def workload(n: int) -> list[list[int]]:
-    from specrl.runtime.rl.task import SyntheticTask, prompt_token_ids
-    from specrl.runtime.rl.tokenizer import CharTokenizer
+    from ..rl.task import SyntheticTask, prompt_token_ids
+    from ..rl.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     return [prompt_token_ids(p, tok) for p in SyntheticTask(n, seed=BENCH_SEED)]
@@ -281,7 +282,7 @@ def model_digest(model: torch.nn.Module) -> str:
 
 def machine_info(engine: RolloutEngine | None, load_start: list[float] | None) -> dict[str, Any]:
     """What could explain a different result elsewhere: CPU, cache, threads, load, dtype, versions."""
-    from specrl.runtime.engine.model_runner import native_bf16
+    from ..engine.model_runner import native_bf16
 
     cpu, cache = None, None
     try:
@@ -747,7 +748,7 @@ def engine_bytes_per_step(engine: RolloutEngine) -> int:
 
 
 def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]) -> dict[str, Any]:
-    from specrl.runtime.models.hub import load_causal_lm, load_tokenizer
+    from ..models.hub import load_causal_lm, load_tokenizer
 
     t_start = time.perf_counter()
     load_start = _load_average()

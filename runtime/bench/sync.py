@@ -100,7 +100,8 @@ def _worker(rank: int, store_port: int, sock_port: int, workload: Workload, conf
 def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[Config],
          repeats: int) -> dict[str, Any]:
     import torch
-    from specrl.runtime.sync import (
+
+    from ..sync import (
         SyncGroup,
         VersionedWeights,
         WeightReceiver,

@@ -12,11 +12,11 @@
 - `shared.py`       the state the parts share (settings, lock, ledger, worker table, metrics)
 """
 
-from specrl.runtime.coordinator.checkpoints import latest_checkpoint, list_checkpoints, prune_checkpoints
-from specrl.runtime.coordinator.job import JobCoordinator
-from specrl.runtime.coordinator.membership import members_from_nodes
-from specrl.runtime.coordinator.placement import Placement, pod_resource, role_resource
-from specrl.runtime.coordinator.records import StepRecord, acceptance_length
+from .checkpoints import latest_checkpoint, list_checkpoints, prune_checkpoints
+from .job import JobCoordinator
+from .membership import members_from_nodes
+from .placement import Placement, pod_resource, role_resource
+from .records import StepRecord, acceptance_length
 
 __all__ = [
     "JobCoordinator", "Placement", "StepRecord", "acceptance_length", "latest_checkpoint", "list_checkpoints",

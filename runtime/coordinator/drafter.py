@@ -10,9 +10,9 @@ import logging
 import time
 from typing import Any
 
-from specrl.runtime.coordinator.rollouts import RolloutPool
-from specrl.runtime.coordinator.shared import Shared
-from specrl.runtime.coordinator.trainers import TrainerGroup
+from .rollouts import RolloutPool
+from .shared import Shared
+from .trainers import TrainerGroup
 
 log = logging.getLogger(__name__)
 

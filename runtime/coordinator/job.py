@@ -26,17 +26,8 @@ import secrets
 import time
 from typing import Any
 
-from specrl.runtime.coordinator import checkpoints
-from specrl.runtime.coordinator.drafter import DrafterScheduler
-from specrl.runtime.coordinator.membership import joiners, members_from_nodes
-from specrl.runtime.coordinator.placement import Placement
-from specrl.runtime.coordinator.records import StepTimes, WorkerSeries, build_record
-from specrl.runtime.coordinator.rollouts import RolloutPool
-from specrl.runtime.coordinator.shared import Shared
-from specrl.runtime.coordinator.trainers import TrainerGroup, training_batch
-from specrl.runtime.coordinator.weight_sync import WeightSync
-from specrl.runtime.rl.settings import RunSettings
-from specrl.runtime.scheduling import (
+from ..rl.settings import RunSettings
+from ..scheduling import (
     Phase,
     PromptLedger,
     WorkerState,
@@ -44,6 +35,15 @@ from specrl.runtime.scheduling import (
     step_items,
     step_prompt_indices,
 )
+from . import checkpoints
+from .drafter import DrafterScheduler
+from .membership import joiners, members_from_nodes
+from .placement import Placement
+from .records import StepTimes, WorkerSeries, build_record
+from .rollouts import RolloutPool
+from .shared import Shared
+from .trainers import TrainerGroup, training_batch
+from .weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ class JobCoordinator:
     def __init__(self, settings: RunSettings, *, token: str | None = None, placement: Placement | None = None,
                  http_host: str | None = None, http_port: int | None = None, resume_from: str | None = None,
                  metrics_registry: Any = None) -> None:
-        from specrl.runtime.metrics import RuntimeMetrics
-        from specrl.runtime.rollout_worker import load_problem_split
+        from ..metrics import RuntimeMetrics
+        from ..rollout_worker import load_problem_split
 
         self.settings = settings
         self.token = token if token is not None else secrets.token_urlsafe(24)
@@ -84,14 +84,14 @@ class JobCoordinator:
         train, _ = load_problem_split(settings)
         self.dataset_size = len(train)
         if not settings.dataset.startswith("builtin:"):
-            from specrl.runtime.rl.task import load_jsonl
+            from ..rl.task import load_jsonl
 
             # Malformed lines were skipped with a warning; the count stays visible on the dashboard.
             cm.dataset_malformed_lines.inc(load_jsonl(
                 settings.dataset, prompt_field=settings.prompt_field, answer_field=settings.answer_field).malformed)
         self.http = None
         if http_port is not None:
-            from specrl.runtime.coordinator_http import HttpServer
+            from ..coordinator_http import HttpServer
 
             self.http = HttpServer(self, self.token, host=http_host or "127.0.0.1", port=http_port).start()
 
@@ -148,7 +148,7 @@ class JobCoordinator:
             return {"worker": worker, "state": rec.state.value}
 
     def metrics(self) -> tuple[bytes, str]:
-        from specrl.runtime.metrics import render
+        from ..metrics import render
 
         with self.lock:
             m = self.cm

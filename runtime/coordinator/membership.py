@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from specrl.runtime.scheduling import WorkerState, WorkerTable
+from ..scheduling import WorkerState, WorkerTable
 
 ROLES = ("trainer", "rollout")
 

@@ -33,7 +33,8 @@ class Placement:
 
     def options(self, name: str, role: str, node_id: str | None = None) -> dict[str, Any]:
         import ray
-        from specrl.runtime.devices import ray_num_gpus
+
+        from ..devices import ray_num_gpus
 
         # Rollout actors take the weight transfer on a second thread while a chunk decodes (async mode);
         # trainer calls stay serial so drafter training and the GRPO step never overlap.
@@ -71,7 +72,8 @@ def serve_metrics_from(actor: Any, name: str, role: str, series: Any) -> None:
     """Have a pod's worker actor serve its own series on the pod's metrics port (metrics.serve_own_metrics);
     when it does, the coordinator stops exporting those series for it."""
     import ray
-    from specrl.runtime.metrics import serve_own_metrics
+
+    from ..metrics import serve_own_metrics
 
     if ray.get(actor.__ray_call__.remote(serve_own_metrics, role)) is not None:
         series.serves_own(name)

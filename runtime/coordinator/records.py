@@ -117,7 +117,8 @@ class WorkerSeries:
 
     def of(self, name: str, role: str):
         from prometheus_client import CollectorRegistry
-        from specrl.runtime.metrics import WORKER_OWNED, RuntimeMetrics
+
+        from ..metrics import WORKER_OWNED, RuntimeMetrics
 
         if name not in self._by_name:
             exported = RuntimeMetrics(self.job, self.namespace, role, name, registry=self.registry)

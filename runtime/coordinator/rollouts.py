@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from specrl.runtime.coordinator.placement import Placement, kill_actors, serve_metrics_from
-from specrl.runtime.coordinator.records import acceptance_length
-from specrl.runtime.coordinator.shared import Shared
-from specrl.runtime.scheduling import PromptItem, WorkerState, chunk_size, may_rollout
+from ..scheduling import PromptItem, WorkerState, chunk_size, may_rollout
+from .placement import Placement, kill_actors, serve_metrics_from
+from .records import acceptance_length
+from .shared import Shared
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,8 @@ class RolloutPool:
         """Start `name`'s actor (on Ray node `node_id`, in a cluster); `initial` (state, version) hands it the
         current weights directly."""
         import ray
-        from specrl.runtime.rollout_worker import RolloutWorker
+
+        from ..rollout_worker import RolloutWorker
 
         with self.sh.lock:
             self.sh.table.add(name, "rollout", node_id)

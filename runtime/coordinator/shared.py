@@ -7,9 +7,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from specrl.runtime.coordinator.records import WorkerSeries
-from specrl.runtime.rl.settings import RunSettings
-from specrl.runtime.scheduling import PromptLedger, WorkerTable
+from ..rl.settings import RunSettings
+from ..scheduling import PromptLedger, WorkerTable
+from .records import WorkerSeries
 
 
 @dataclass

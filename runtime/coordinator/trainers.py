@@ -9,9 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from specrl.runtime.coordinator.placement import Placement, kill_actors, serve_metrics_from
-from specrl.runtime.coordinator.shared import Shared
-from specrl.runtime.scheduling import LedgerError, split_even
+from ..scheduling import LedgerError, split_even
+from .placement import Placement, kill_actors, serve_metrics_from
+from .shared import Shared
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 def training_batch(samples: list[dict], group_size: int) -> list[dict]:
     """A step's samples in prompt order, each group complete, with group-normalised advantages."""
     import torch
-    from specrl.runtime.rl.grpo import group_advantages
+
+    from ..rl.grpo import group_advantages
 
     by_prompt: dict[str, list[dict]] = {}
     for smp in samples:
@@ -54,7 +55,8 @@ class TrainerGroup:
 
     def _spawn(self, name: str, rank: int, world: int, node_id: str | None) -> None:
         import ray
-        from specrl.runtime.rl.trainer import TrainerWorker
+
+        from ..rl.trainer import TrainerWorker
 
         with self.sh.lock:
             self.sh.table.add(name, "trainer", node_id)
@@ -111,7 +113,7 @@ class TrainerGroup:
 
     def start_training(self, step: int, samples: list[dict]) -> list:
         """Split the step's groups evenly over the ranks and start one GRPO update on each (Ray refs)."""
-        from specrl.runtime.rl.trainer import Sample
+        from ..rl.trainer import Sample
 
         g = self.sh.settings.group_size
         groups = [samples[i:i + g] for i in range(0, len(samples), g)]

@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 import time
 
-from specrl.runtime.coordinator.rollouts import RolloutPool
-from specrl.runtime.coordinator.shared import Shared
-from specrl.runtime.coordinator.trainers import TrainerGroup
+from .rollouts import RolloutPool
+from .shared import Shared
+from .trainers import TrainerGroup
 
 log = logging.getLogger(__name__)
 

@@ -463,7 +463,7 @@ class AdaptiveController:
 def settings_from_spec(speculative: Any, **overrides: Any) -> AdaptiveSettings:
     """Map the RLJob's ``spec.speculative`` (`specrl.runtime.api.SpeculativeSpec`, or its YAML mapping) onto
     `AdaptiveSettings`; `overrides` set fields the API does not carry (hysteresis, clock, ...)."""
-    from specrl.runtime.api import SpeculativeSpec  # pydantic only; keeps this module importable alone
+    from ..api import SpeculativeSpec  # pydantic only; keeps this module importable alone
 
     try:
         spec = speculative if isinstance(speculative, SpeculativeSpec) else SpeculativeSpec.model_validate(
@@ -481,7 +481,7 @@ def controller_from_spec(speculative: Any, methods: Sequence[str] | None = None,
                          metrics: Any | None = None, **overrides: Any) -> AdaptiveController:
     """An `AdaptiveController` for the RLJob's ``spec.speculative`` (`methods`: the proposers the engine built;
     default: the spec's method only)."""
-    from specrl.runtime.api import SpeculativeSpec
+    from ..api import SpeculativeSpec
 
     spec = speculative if isinstance(speculative, SpeculativeSpec) else SpeculativeSpec.model_validate(
         speculative or {})
@@ -528,7 +528,7 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
     rounds are interleaved so a burst of load spreads over every measurement. The engine's controller is
     restored afterwards; its stats keep the calibration steps (they are real decode steps).
     """
-    from specrl.runtime.engine.sampling import SamplingParams
+    from .sampling import SamplingParams
 
     if len(gammas) < 1 or any(g < 1 for g in gammas):
         raise ValueError(f"calibrate: gammas must be >= 1, got {list(gammas)}")

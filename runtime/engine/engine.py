@@ -32,17 +32,18 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from specrl.runtime.engine.control import Controller, Decision, FixedController, StepRecord
-from specrl.runtime.engine.model_runner import TransformerRunner
-from specrl.runtime.engine.proposers.base import DraftContext, Proposer
-from specrl.runtime.engine.rejection_sampler import rejection_sample
-from specrl.runtime.engine.sampling import (
+from torch import nn
+
+from .control import Controller, Decision, FixedController, StepRecord
+from .model_runner import TransformerRunner
+from .proposers.base import DraftContext, Proposer
+from .rejection_sampler import rejection_sample
+from .sampling import (
     BatchSamplingTensors,
     SamplingParams,
     process_logits,
     sample_from_probs,
 )
-from torch import nn
 
 METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle")
 Method = Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle"]
@@ -197,7 +198,7 @@ class RolloutEngine:
 
     # ---- proposers -----------------------------------------------------------------------------------------
     def _build_proposer(self, name: str, draft_model: nn.Module | None, eagle_head: nn.Module | None) -> Proposer:
-        from specrl.runtime.engine import proposers as P
+        from . import proposers as P
 
         if name == "draft_model":
             if draft_model is None:

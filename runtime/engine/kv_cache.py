@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from specrl.runtime.engine.model_runner import ForwardPlan
+    from .model_runner import ForwardPlan
 
 
 class StaticKVCache:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from specrl.runtime.engine.kv_cache import StaticKVCache
 from torch import nn
+
+from .kv_cache import StaticKVCache
 
 
 @dataclass

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from specrl.runtime.engine.sampling import sample_from_probs
+
+from .sampling import sample_from_probs
 
 
 @dataclass

@@ -161,7 +161,7 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
 
 def to_request_output(output: Any, request_id: int) -> Any:
     """One ``vllm.RequestOutput`` -> our `RequestOutput` (generated tokens only, target logprobs, finish reason)."""
-    from specrl.runtime.engine import RequestOutput  # the engine package is torch-heavy; import late
+    from . import RequestOutput  # the engine package is torch-heavy; import late
 
     completion = output.outputs[0]
     token_ids = [int(t) for t in completion.token_ids]

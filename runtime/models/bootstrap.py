@@ -31,11 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from specrl.runtime.models.evaluate import evaluate_accuracy
-from specrl.runtime.models.recipes import BUILTIN_RECIPES, Recipe, resolve_recipe
-from specrl.runtime.paths import cache_dir
-from specrl.runtime.rl.task import SyntheticTask, prompt_token_ids
-from specrl.runtime.rl.tokenizer import CharTokenizer
+
+from ..paths import cache_dir
+from ..rl.task import SyntheticTask, prompt_token_ids
+from ..rl.tokenizer import CharTokenizer
+from .evaluate import evaluate_accuracy
+from .recipes import BUILTIN_RECIPES, Recipe, resolve_recipe
 
 BUILD_INFO = "build_info.json"
 EVAL_SEED = 424242  # evaluation problems never overlap the training seed range
@@ -417,7 +418,7 @@ def resolve_model_path(name_or_path: str | Path, *, build: bool = True, threads:
 def load_policy(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, *, threads: int | None = None,
                 progress: ProgressFn | None = None, device: str | torch.device = "cpu"):
     """(model, tokenizer) for any model name (`specrl.runtime.models.hub`); toy builtins are built on first use."""
-    from specrl.runtime.models.hub import load_causal_lm, load_tokenizer
+    from .hub import load_causal_lm, load_tokenizer
 
     if str(name_or_path).removeprefix("builtin:") in BUILTIN_RECIPES and str(name_or_path).startswith("builtin:"):
         resolve_model_path(name_or_path, threads=threads, progress=progress)  # build with these threads/progress
@@ -434,7 +435,7 @@ def build_info(name_or_path: str | Path) -> dict:
 def ensure_models(names: Sequence[str], *, threads: int | None = None, force: bool = False,
                   progress: ProgressFn | None = None) -> dict[str, Path]:
     """Build the toy builtins among `names` and convert the packaged checkpoints (builtin:smollm2-135m)."""
-    from specrl.runtime.models.hub import PACKAGED, resolve_model
+    from .hub import PACKAGED, resolve_model
 
     return {n: resolve_model(n) if n.removeprefix("builtin:") in PACKAGED
             else ensure_built(resolve_recipe(n), threads=threads, force=force, progress=progress) for n in names}

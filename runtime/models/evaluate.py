@@ -6,8 +6,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
-from specrl.runtime.rl.task import Problem, is_correct, prompt_token_ids
-from specrl.runtime.rl.tokenizer import CharTokenizer
+
+from ..rl.task import Problem, is_correct, prompt_token_ids
+from ..rl.tokenizer import CharTokenizer
 
 
 @torch.no_grad()

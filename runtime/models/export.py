@@ -23,7 +23,7 @@ class ExportError(ValueError):
 
 def find_checkpoint(source: str | Path) -> Path:
     """The checkpoint folder `source` names (see the module docstring)."""
-    from specrl.runtime.coordinator import list_checkpoints
+    from ..coordinator import list_checkpoints
 
     src = Path(source)
     if not src.exists():
@@ -53,8 +53,9 @@ def export_policy(source: str | Path, out: str | Path, dtype: str | None = None)
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(ckpt / POLICY_DIR, tmp)
     if dtype is not None:
-        from specrl.runtime.models.hub import parse_dtype
         from transformers import AutoModelForCausalLM
+
+        from .hub import parse_dtype
 
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=parse_dtype(dtype, field="--dtype"))
         for f in tmp.glob("*.safetensors*"):

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specrl.runtime.models.bootstrap import BUILD_INFO, ModelNotFoundError, exclusive
-from specrl.runtime.paths import cache_dir
+from ..paths import cache_dir
+from .bootstrap import BUILD_INFO, ModelNotFoundError, exclusive
 
 # Architectures the native engine (engine/model_runner.py) and the trainer run.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -83,7 +83,7 @@ def resolve_model(name: str | Path, revision: str | None = None, *, field: str =
         if key in PACKAGED:
             return ensure_converted(packaged_gguf(PACKAGED[key], field=field), PACKAGED[key].name, field=field,
                                     build=build)
-        from specrl.runtime.models.bootstrap import BUILTIN_RECIPES, resolve_model_path
+        from .bootstrap import BUILTIN_RECIPES, resolve_model_path
 
         if key not in BUILTIN_RECIPES:
             raise ModelNotFoundError(f"{field}: unknown builtin {ref!r}; builtins: " + ", ".join(
@@ -104,7 +104,7 @@ def resolve_model(name: str | Path, revision: str | None = None, *, field: str =
 
 
 def builtin_names() -> list[str]:
-    from specrl.runtime.models.recipes import BUILTIN_RECIPES
+    from .recipes import BUILTIN_RECIPES
 
     return [f"builtin:{k}" for k in (*BUILTIN_RECIPES, *PACKAGED)]
 
@@ -276,7 +276,7 @@ def load_causal_lm(name: str | Path, dtype: Any = "float32", device: Any = "cpu"
 def load_tokenizer(name: str | Path, *, revision: str | None = None, chat: bool = True,
                    system_prompt: str | None = None, field: str = "model"):
     """`CharTokenizer` for the toy builtins, else the model's HF tokenizer (EOS from its generation config)."""
-    from specrl.runtime.rl.tokenizer import TOKENIZER_CONFIG, CharTokenizer, HFTokenizer
+    from ..rl.tokenizer import TOKENIZER_CONFIG, CharTokenizer, HFTokenizer
 
     path = resolve_model(name, revision, field=field)
     if (path / TOKENIZER_CONFIG).is_file():
@@ -302,7 +302,7 @@ def generation_eos_ids(path: Path) -> list[int]:
 
 
 def _vocab_fingerprint(tokenizer: Any) -> str:
-    from specrl.runtime.rl.tokenizer import CharTokenizer
+    from ..rl.tokenizer import CharTokenizer
 
     if isinstance(tokenizer, CharTokenizer):
         items = sorted(tokenizer.token_to_id.items())
@@ -349,9 +349,9 @@ def preflight(settings: Any) -> None:
     (weights, architecture, tokenizer), the draft model and its vocabulary. Raises one ModelLoadError /
     ModelNotFoundError whose message starts with the spec field. Toy builtins not built yet are skipped (they
     are valid by construction and get built next)."""
-    from specrl.runtime.devices import device_for
-    from specrl.runtime.models.bootstrap import is_complete, model_dir
-    from specrl.runtime.models.recipes import BUILTIN_RECIPES
+    from ..devices import device_for
+    from .bootstrap import is_complete, model_dir
+    from .recipes import BUILTIN_RECIPES
 
     check_dtype_on_device(settings.dtype, device_for(settings.gpus_per_pod))
 

@@ -13,8 +13,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from specrl.runtime.rl.task import DEFAULT_MIX
-from specrl.runtime.rl.tokenizer import CharTokenizer
+from ..rl.task import DEFAULT_MIX
+from ..rl.tokenizer import CharTokenizer
 
 # Bump when the training code changes what a recipe produces, so caches built by older code are not reused.
 BUILD_CODE_VERSION = 1

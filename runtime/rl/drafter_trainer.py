@@ -19,7 +19,8 @@ from collections import deque
 from typing import Any
 
 import torch
-from specrl.runtime.rl.settings import RunSettings
+
+from .settings import RunSettings
 
 
 class DrafterTrainer:
@@ -36,7 +37,7 @@ class DrafterTrainer:
 
     @classmethod
     def from_settings(cls, settings: RunSettings) -> DrafterTrainer:
-        from specrl.runtime.models.hub import load_causal_lm
+        from ..models.hub import load_causal_lm
 
         assert settings.draft_model
         # float32 master weights like the policy's (the rollout copies hold spec.model.dtype); the trainer moves

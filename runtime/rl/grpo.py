@@ -126,7 +126,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     on-policy importance ratios are exactly 1 with top-k/top-p on (the mask is a function of the logits, the
     gradient flows through the kept logits). Shapes: logits [..., V], tokens [...].
     """
-    from specrl.runtime.engine.sampling import BatchSamplingTensors, SamplingParams, process_logits
+    from ..engine.sampling import BatchSamplingTensors, SamplingParams, process_logits
 
     if temperature <= 0:
         raise ValueError(f"temperature: must be > 0 for RL log-probabilities, got {temperature!r}")

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specrl.runtime.rl.task import is_correct
+from .task import is_correct
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
-from specrl.runtime.rl.tokenizer import CharTokenizer
+
+from .tokenizer import CharTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from specrl.runtime.rl.grpo import GRPOLossConfig, grpo_loss, token_logprobs
-from specrl.runtime.rl.settings import RunSettings
+
+from .grpo import GRPOLossConfig, grpo_loss, token_logprobs
+from .settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +196,8 @@ class TrainerWorker:
 
     def __init__(self, settings: RunSettings, rank: int = 0, world_size: int = 1, name: str | None = None,
                  metrics: Any = None) -> None:
-        from specrl.runtime.devices import device_for
-        from specrl.runtime.models.hub import load_causal_lm, load_tokenizer, parse_dtype
+        from ..devices import device_for
+        from ..models.hub import load_causal_lm, load_tokenizer, parse_dtype
 
         torch.set_num_threads(max(1, settings.torch_threads))
         self.settings, self.rank, self.world_size = settings, rank, world_size
@@ -226,7 +227,7 @@ class TrainerWorker:
         self.weight_version = 0
         self.drafter = None
         if rank == 0 and trains_drafter(settings):
-            from specrl.runtime.rl.drafter_trainer import DrafterTrainer
+            from .drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(settings)
             self.drafter.model.to(self.device)  # in place: the optimizer keeps the same parameters
@@ -244,7 +245,8 @@ class TrainerWorker:
         a `backend` that does not match this trainer's device is refused rather than used.
         """
         import torch.distributed as dist
-        from specrl.runtime.devices import collective_backend
+
+        from ..devices import collective_backend
 
         own = collective_backend(self.device)
         if backend is not None and backend != own:
@@ -266,7 +268,7 @@ class TrainerWorker:
             dist.destroy_process_group()
         self.rank, self.world_size = rank, world_size
         if rank == 0 and self.drafter is None and trains_drafter(self.settings):
-            from specrl.runtime.rl.drafter_trainer import DrafterTrainer
+            from .drafter_trainer import DrafterTrainer
 
             self.drafter = DrafterTrainer.from_settings(self.settings)
             self.drafter.model.to(self.device)
@@ -396,7 +398,7 @@ class TrainerWorker:
 
     def sync_state(self) -> dict[str, torch.Tensor]:
         """What the rollout workers receive: the policy, and the drafter when it trains, in one stream."""
-        from specrl.runtime.sync import merge_states
+        from ..sync import merge_states
 
         parts = {"policy": {k: v.detach() for k, v in self.model.state_dict().items()}}
         if self.drafter is not None:
@@ -409,7 +411,8 @@ class TrainerWorker:
     def node_address(self) -> tuple[str, int]:
         """An address and a free port on this trainer's host: rendezvous for groups it hosts."""
         import ray
-        from specrl.runtime.coordinator_http import free_port
+
+        from ..coordinator_http import free_port
 
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         return ip, free_port("0.0.0.0" if ip != "127.0.0.1" else ip)
@@ -431,11 +434,11 @@ class TrainerWorker:
         return host, port
 
     def open_sync_group(self, host: str, port: int, world_size: int, epoch: int) -> bool:
-        from specrl.runtime.sync import SyncGroup, WeightSender, flatten_modules_
+        from ..sync import SyncGroup, WeightSender, flatten_modules_
 
         self.close_sync_group()
         if self.settings.rollout_engine == "vllm":  # rollout workers are vLLM engines: speak vLLM's wire format
-            from specrl.runtime.engine.vllm_backend import VLLMWeightSender
+            from ..engine.vllm_backend import VLLMWeightSender
 
             self._sender = VLLMWeightSender(host, port, world_size)
             return True
@@ -471,7 +474,7 @@ class TrainerWorker:
     def _send_to_vllm(self) -> dict[str, float]:
         """The policy, then the trained drafter, from device memory with vLLM's packed producer (the rollout
         workers run the matching update_weights; `vllm_backend.named_weights` fixes the order and dtype)."""
-        from specrl.runtime.engine.vllm_backend import named_weights
+        from ..engine.vllm_backend import named_weights
 
         t0 = time.perf_counter()
         dtype = getattr(torch, self.settings.dtype)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specrl.runtime.sim.rl_sim import SimResult, simulate
-from specrl.runtime.sim.scenario import Scenario
+from .rl_sim import SimResult, simulate
+from .scenario import Scenario
 
 
 def without_speculation(s: Scenario) -> Scenario:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from specrl.runtime.engine.adaptive import alpha_from_mean_accepted
-from specrl.runtime.sim.analysis import without_speculation
-from specrl.runtime.sim.rl_sim import simulate
-from specrl.runtime.sim.scenario import Scenario
+from ..engine.adaptive import alpha_from_mean_accepted
+from .analysis import without_speculation
+from .rl_sim import simulate
+from .scenario import Scenario
 
 
 def scenario_from_bench(bench: dict[str, Any], method: str = "none", gamma: int = 1, alpha: float = 0.0) -> Scenario:

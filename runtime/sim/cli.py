@@ -12,9 +12,10 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from specrl.runtime.sim.analysis import Report, evaluate
-from specrl.runtime.sim.hardware import gpu as gpu_named
-from specrl.runtime.sim.scenario import list_presets, load_scenario
+
+from .analysis import Report, evaluate
+from .hardware import gpu as gpu_named
+from .scenario import list_presets, load_scenario
 
 
 def _table(report: Report) -> Table:
@@ -71,14 +72,14 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_json(args.preset), indent=2))
     if args.plot:
-        from specrl.runtime.sim.plot import timeline
+        from .plot import timeline
 
         console.print(f"timeline: {timeline(report, args.plot)}")
     return 0
 
 
 def _from_bench(console: Console, args: argparse.Namespace) -> int:
-    from specrl.runtime.sim.calibrated import predict_bench
+    from .calibrated import predict_bench
 
     try:
         bench = json.loads(Path(args.from_bench).read_text())

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from specrl.runtime.engine.adaptive import CostModel as EngineCostModel
-from specrl.runtime.engine.adaptive import expected_tokens_per_round
-from specrl.runtime.sim.hardware import GPU, ModelSpec
-from specrl.runtime.sim.hardware import gpu as gpu_named
-from specrl.runtime.sim.hardware import model as model_named
-from specrl.runtime.sim.scenario import Calibration, Scenario
+from ..engine.adaptive import CostModel as EngineCostModel
+from ..engine.adaptive import expected_tokens_per_round
+from .hardware import GPU, ModelSpec
+from .hardware import gpu as gpu_named
+from .hardware import model as model_named
+from .scenario import Calibration, Scenario
 
 
 def accepted_length(alpha: float, gamma: int, per_position: list[float] | None = None) -> float:

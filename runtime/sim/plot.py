@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specrl.runtime.sim.analysis import Report
+from .analysis import Report
 
 
 def timeline(report: Report, path: str | Path, max_instances: int = 32) -> Path:

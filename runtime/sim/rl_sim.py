@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specrl.operator import rebalance
-from specrl.runtime.scheduling import is_long_tail
-from specrl.runtime.sim.cost_model import CostModel
-from specrl.runtime.sim.rollout_sim import RolloutPhase, simulate_rollout
-from specrl.runtime.sim.scenario import Scenario
-from specrl.runtime.sim.speculation import SpeculationPolicy
-from specrl.runtime.sim.workload import step_lengths
+from ...operator import rebalance
+from ..scheduling import is_long_tail
+from .cost_model import CostModel
+from .rollout_sim import RolloutPhase, simulate_rollout
+from .scenario import Scenario
+from .speculation import SpeculationPolicy
+from .workload import step_lengths
 
 
 @dataclass

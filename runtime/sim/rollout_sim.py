@@ -14,8 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from specrl.runtime.sim.cost_model import CostModel
-from specrl.runtime.sim.speculation import SpeculationPolicy
+
+from .cost_model import CostModel
+from .speculation import SpeculationPolicy
 
 CHUNK_TOKENS = 512  # re-evaluate costs (KV grows) and the SD decision at least this often
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specrl.runtime.sim.cost_model import CostModel, accepted_length, predicted_speedup
-from specrl.runtime.sim.scenario import Speculative
+from .cost_model import CostModel, accepted_length, predicted_speedup
+from .scenario import Speculative
 
 
 @dataclass(frozen=True)

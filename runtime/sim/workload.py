@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from specrl.runtime.sim.scenario import Response, Workload
+
+from .scenario import Response, Workload
 
 
 def empirical_lengths(resp: Response) -> list[int]:

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from specrl.runtime.engine.sampling import BatchSamplingTensors
+
+from ..sampling import BatchSamplingTensors
 
 if TYPE_CHECKING:
-    from specrl.runtime.engine.engine import RolloutEngine
+    from ..engine import RolloutEngine
 
 
 @dataclass

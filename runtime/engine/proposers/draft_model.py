@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from specrl.runtime.engine.model_runner import TransformerRunner
-from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
-from specrl.runtime.engine.sampling import process_logits, sample_from_probs
 from torch import nn
 
+from ..model_runner import TransformerRunner
+from ..sampling import process_logits, sample_from_probs
+from .base import DraftContext, Proposal, Proposer
+
 if TYPE_CHECKING:
-    from specrl.runtime.engine.engine import RolloutEngine
+    from ..engine import RolloutEngine
 
 
 class DraftModelProposer(Proposer):

@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from specrl.runtime.engine.model_runner import Dense, LayerWeights, TransformerRunner, decoder_of
-from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
-from specrl.runtime.engine.sampling import process_logits, sample_from_probs
 from torch import nn
 
+from ..model_runner import Dense, LayerWeights, TransformerRunner, decoder_of
+from ..sampling import process_logits, sample_from_probs
+from .base import DraftContext, Proposal, Proposer
+
 if TYPE_CHECKING:
-    from specrl.runtime.engine.engine import RolloutEngine
+    from ..engine import RolloutEngine
 
 
 class EagleHead(nn.Module):
@@ -148,7 +149,7 @@ class _EagleRunner(TransformerRunner):
     def refresh(self) -> None:
         layer = self.head_module.layers[0]
         at, mlp = layer.self_attn, layer.mlp
-        from specrl.runtime.engine.model_runner import _cat_bias
+        from ..model_runner import _cat_bias
 
         qkv = [at.q_proj, at.k_proj, at.v_proj]
 

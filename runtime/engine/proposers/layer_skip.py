@@ -9,9 +9,10 @@ q is the processed distribution of the early-exit logits (sampled, returned for 
 from __future__ import annotations
 
 import torch
-from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
-from specrl.runtime.engine.sampling import process_logits, sample_from_probs
 from torch import nn
+
+from ..sampling import process_logits, sample_from_probs
+from .base import DraftContext, Proposal, Proposer
 
 
 class LayerSkipProposer(Proposer):

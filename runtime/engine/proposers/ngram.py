@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from specrl.runtime.engine.proposers.base import DraftContext, Proposal, Proposer
+
+from .base import DraftContext, Proposal, Proposer
 
 
 def ngram_lookup(tokens: list[int], n_min: int, n_max: int, gamma: int) -> list[int]:

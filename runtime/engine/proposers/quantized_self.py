@@ -6,8 +6,9 @@ No extra model to train or sync: the drafter is re-quantized from the policy's c
 
 from __future__ import annotations
 
-from specrl.runtime.engine.proposers.draft_model import DraftModelProposer
 from torch import nn
+
+from .draft_model import DraftModelProposer
 
 
 class QuantizedSelfProposer(DraftModelProposer):
