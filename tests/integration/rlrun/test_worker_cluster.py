@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.kube.pod_runner import processes_in_sessions
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SPECRL = [sys.executable, "-m", "specrl.runtime.cli"]
@@ -54,22 +56,6 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _processes_in(sessions: set[int]) -> dict[int, str]:
-    """pid -> command line of every live (non-zombie) process in one of `sessions`."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        rest = stat.rsplit(")", 1)[1].split()
-        if rest[0] != "Z" and int(rest[3]) in sessions:
-            out[pid] = cmd or stat.split("(", 1)[1].rsplit(")", 1)[0]
-    return out
 
 
 @dataclass
@@ -192,7 +178,7 @@ class Cluster:
         """Every process of every pod ends within STOP_TIMEOUT_S of `since` (except command names `tolerate`)."""
         left: dict[int, str] = {}
         while time.monotonic() - since < STOP_TIMEOUT_S:
-            left = {pid: cmd for pid, cmd in _processes_in(self.sessions).items() if cmd not in tolerate}
+            left = {pid: cmd for pid, cmd in processes_in_sessions(self.sessions).items() if cmd not in tolerate}
             if not left:
                 return
             time.sleep(0.5)
@@ -258,7 +244,7 @@ def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureReque
         for p in pods:
             if p.proc.poll() is None:
                 p.proc.kill()
-        for pid in _processes_in(sessions):
+        for pid in processes_in_sessions(sessions):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
@@ -283,7 +269,7 @@ def test_pod_entrypoints_run_a_job_as_separate_processes(cluster: Cluster):
 
     # Placement(cluster=True) pinned each actor to its pod's node: the actor processes are children of
     # that node's raylet, so they live in that pod's session and nowhere else.
-    actors = {p.name: " ".join(_processes_in({p.sid}).values()) for p in cluster.pods}
+    actors = {p.name: " ".join(processes_in_sessions({p.sid}).values()) for p in cluster.pods}
     assert "ray::TrainerWorker" in actors["trainer"] and "ray::RolloutWorker" not in actors["trainer"], actors
     assert "ray::RolloutWorker" in actors["rollout"] and "ray::TrainerWorker" not in actors["rollout"], actors
     assert "ray::TrainerWorker" not in actors["coordinator"], actors  # the head offers no CPU
@@ -325,7 +311,7 @@ def test_pod_entrypoints_run_a_job_as_separate_processes(cluster: Cluster):
     assert _post(f"{url}/drain", {"worker": f"{JOB}-rollout-9"}, {"Authorization": f"Bearer {token}"}) == 404
 
     # ---- SIGTERM, as Kubernetes sends it to every pod of a deleted job, ends everything each pod started
-    assert len(_processes_in(cluster.sessions)) > 3  # the Ray nodes' own processes (GCS, raylets, agents, actors)
+    assert len(processes_in_sessions(cluster.sessions)) > 3  # the Ray nodes' own processes (GCS, raylets, agents, actors)
     t_stop = time.monotonic()
     cluster.terminate(cluster.pods)
     cluster.assert_all_gone(t_stop)
@@ -345,7 +331,7 @@ def test_sigterm_stops_a_running_coordinator(cluster: Cluster):
     assert coordinator.proc.returncode == 128 + signal.SIGTERM
     stopped = time.monotonic() - t_stop
     assert stopped < 30, f"the coordinator took {stopped:.0f}s to stop"
-    assert not _processes_in({coordinator.sid}), "the Ray head outlived the coordinator"
+    assert not processes_in_sessions({coordinator.sid}), "the Ray head outlived the coordinator"
     assert all(p.proc.poll() is None for p in members)  # the operator, not the coordinator, ends worker pods
     cluster.terminate(members)
     # Ray itself (2.60, plain `ray start --block` too) leaves a worker node's two agents behind when the node
@@ -378,7 +364,7 @@ def test_membership_follows_the_pod_not_its_name(cluster: Cluster):
     cluster.pods.append(new)
     step = cluster.wait_status(lambda st: state(st) == "active", "the recreated pod joined")["step"]
     cluster.wait_status(lambda st: st["step"] >= step + 2, "steps with the new member")
-    assert "ray::RolloutWorker" in " ".join(_processes_in({new.sid}).values())  # its actor runs on the new pod
+    assert "ray::RolloutWorker" in " ".join(processes_in_sessions({new.sid}).values())  # its actor runs on the new pod
     code, body = _get(f"http://127.0.0.1:{new.metrics_port}/metrics")
     assert code == 200 and f'specrl_rollout_sequences_completed_total{{rljob="{JOB}"' in body.decode()
     cluster.terminate(cluster.pods)
