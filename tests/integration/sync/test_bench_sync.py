@@ -32,4 +32,4 @@ def test_bench_sync_quick_writes_the_keys(tmp_path: Path) -> None:
 def test_bench_sync_rejects_bad_repeats() -> None:
     proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "bench", "sync", "--repeats", "0"],
                           check=False, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--repeats must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "argument --repeats: must be >= 1, got 0" in proc.stderr and "Traceback" not in proc.stderr
