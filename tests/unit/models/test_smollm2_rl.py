@@ -85,13 +85,16 @@ def test_grpo_step_then_sync_reproduces_the_trainer(trainer, rollout, tmp_path):
 
 
 def test_export_loads_in_transformers_and_resume_is_bit_identical(trainer, rollout, tmp_path):
+    from specrl.runtime.coordinator.checkpoints import mark_complete
     from specrl.runtime.models.export import export_policy
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     samples = _samples(rollout, trainer.tokenizer, seed=30)
     tokens = sum(len(s.response_ids) for s in samples)
     ckpt = tmp_path / "ckpt" / "step-000001"
-    trainer.save_checkpoint(str(ckpt), cursor={"step": trainer.step})
+    cursor_saved = {"step": trainer.step}
+    trainer.save_checkpoint(str(ckpt), cursor=cursor_saved)
+    mark_complete(ckpt, cursor_saved)  # what the coordinator writes once every rank has saved
     saved = weights_digest(trainer.model)
     out = export_policy(ckpt.parent, tmp_path / "exported")
     plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -104,6 +107,6 @@ def test_export_loads_in_transformers_and_resume_is_bit_identical(trainer, rollo
     trainer.train_step(samples, step=1, total_tokens=tokens)
     continued = weights_digest(trainer.model)
     cursor = trainer.load_checkpoint(str(ckpt))
-    assert cursor == {"step": 1} and weights_digest(trainer.model) == saved
+    assert cursor == cursor_saved and weights_digest(trainer.model) == saved
     trainer.train_step(samples, step=1, total_tokens=tokens)
     assert weights_digest(trainer.model) == continued
