@@ -315,19 +315,28 @@ def ensure_built(recipe: Recipe, *, root: Path | None = None, force: bool = Fals
     teacher_dir = ensure_built(teacher, root=root, threads=threads, progress=progress, evaluate=evaluate) \
         if teacher is not None else None
 
-    def waiting() -> None:
-        print(f"waiting for another process that is building {final.name} ...", file=sys.stderr)
+    with _threads(threads):
+        return build_atomically(final, lambda tmp: _build_into(tmp, recipe, teacher_dir, progress, evaluate),
+                                lambda d: is_complete(d) and not force, verb="building")
 
-    with exclusive(final.parent / f"{final.name}.lock", waiting), _threads(threads):
-        if is_complete(final) and not force:  # built by the process we waited for
+
+def build_atomically(final: Path, fill: Callable[[Path], None], done: Callable[[Path], bool], *, verb: str) -> Path:
+    """Fill `final` once per machine: under an exclusive lock, `fill` writes a temporary sibling folder that is
+    then renamed into place, so readers never see half a folder and a second process waits for the first."""
+
+    def waiting() -> None:
+        print(f"waiting for another process that is {verb} {final.name} ...", file=sys.stderr)
+
+    with exclusive(final.parent / f"{final.name}.lock", waiting):
+        if done(final):  # filled by the process we waited for
             return final
-        # holding the lock, any temp folder of this model is debris of a build that was killed
+        # holding the lock, any temp folder of this name is debris of a fill that was killed
         for debris in final.parent.glob(f".{final.name}.tmp-*"):
             shutil.rmtree(debris, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
-            _build_into(tmp, recipe, teacher_dir, progress, evaluate)
-            if final.exists():  # --force, or debris of an incomplete old build
+            fill(tmp)
+            if final.exists():  # --force, or debris of an incomplete old fill
                 shutil.rmtree(final)
             os.rename(tmp, final)
         finally:

