@@ -337,20 +337,21 @@ def _count_generated(gen: torch.Tensor, eos: int, pad: int) -> int:
     return total
 
 
-def hf_assisted_bs1(model: Any, draft: Any, prompts: list[list[int]], max_new_tokens: int, eos: int, pad: int,
-                    seed: int) -> tuple[int, float]:
-    """HF assisted generation (speculative sampling with `draft`), batch 1 — the only size HF supports."""
+def hf_bs1(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int], pad: int, seed: int,
+           **kwargs: Any) -> tuple[int, float]:
+    """HF `generate` at batch 1, T=1 sampling, one prompt at a time: (generated tokens, seconds). `kwargs` picks
+    the variant: `assistant_model=` (assisted generation, batch 1 only in HF), `prompt_lookup_num_tokens=`."""
     tokens, seconds = 0, 0.0
     for i, p in enumerate(prompts):
         ids = torch.tensor([p])
         torch.manual_seed(seed + i)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
-                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                 pad_token_id=pad, **kwargs)
         seconds += time.perf_counter() - start
-        tokens += _count_generated(out[:, len(p):], eos, pad)
+        tokens += out.shape[1] - len(p)  # batch 1: no padding, the EOS (when reached) is the last token
     return tokens, seconds
 
 
@@ -584,8 +585,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         hf_batched.append((tok, sec))
         tok, sec = hf_batched_ar(models.target, hf_prompts, plan.max_new_tokens, models.eos_id, pad, 1, BENCH_SEED)
         bs1["hf_ar"].append(tok / sec)
-        tok, sec = hf_assisted_bs1(models.target, models.draft, hf_prompts, plan.max_new_tokens, models.eos_id, pad,
-                                   BENCH_SEED)
+        tok, sec = hf_bs1(models.target, hf_prompts, plan.max_new_tokens, models.eos_id, pad, BENCH_SEED,
+                          assistant_model=models.draft)
         bs1["hf_assisted"].append(tok / sec)
         advance()
 
@@ -722,17 +723,7 @@ def _int8_copy(model: Any) -> Any:
 
 def _hf_bs1(model: Any, prompts: list[list[int]], max_new_tokens: int, eos: list[int], pad: int, seed: int,
             **kwargs: Any) -> float:
-    tokens, seconds = 0, 0.0
-    for i, p in enumerate(prompts):
-        ids = torch.tensor([p])
-        torch.manual_seed(seed + i)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                 top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=pad, **kwargs)
-        seconds += time.perf_counter() - start
-        tokens += sum(1 for _ in out[0, len(p):].tolist())
+    tokens, seconds = hf_bs1(model, prompts, max_new_tokens, eos, pad, seed, **kwargs)
     return tokens / seconds
 
 
