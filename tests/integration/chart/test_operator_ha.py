@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.integration.chart.chart_support import REPO, by_kind, helm_template, start_operator, stop
+from tests.kube.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -26,16 +27,6 @@ def _reconciles(metrics_url: str) -> float:
         text = resp.read().decode()
     return sum(float(v) for v in re.findall(r"^specrl_operator_reconcile_duration_seconds_count\{[^}]*\} (\S+)$",
                                             text, re.MULTILINE))
-
-
-def _wait(what: str, check: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout:.0f} s")
 
 
 def _job(name: str) -> dict[str, Any]:
@@ -57,11 +48,11 @@ def test_two_replicas_one_active_and_fail_over(kube, tmp_path: Path) -> None:
            for i in range(2)]
     try:
         # Both announce themselves in the peering object's status.
-        _wait("both replicas in the peering object",
-              lambda: len((kube.get(PEERINGS, None, peering["metadata"]["name"]) or {}).get("status") or {}) == 2)
+        wait_for(lambda: len((kube.get(PEERINGS, None, peering["metadata"]["name"]) or {}).get("status") or {}) == 2,
+                 60, "both replicas in the peering object", interval=0.5)
         kube.create(RLJOBS, _job("first"), namespace="ml")
-        _wait("the first job reconciled",
-              lambda: ((kube.get(RLJOBS, "ml", "first") or {}).get("status") or {}).get("phase"))
+        wait_for(lambda: ((kube.get(RLJOBS, "ml", "first") or {}).get("status") or {}).get("phase"),
+                 60, "the first job reconciled", interval=0.5)
         time.sleep(3)  # a few timer ticks: a second active operator would reconcile too
         counts = [_reconciles(f"http://127.0.0.1:{op.metrics_port}/metrics") for op in ops]
         assert sorted(c > 0 for c in counts) == [False, True], counts
@@ -69,8 +60,8 @@ def test_two_replicas_one_active_and_fail_over(kube, tmp_path: Path) -> None:
         stop(ops[leader].proc)  # SIGTERM: kopf leaves the peering, the standby resumes at once
         standby = ops[1 - leader]
         kube.create(RLJOBS, _job("second"), namespace="ml")
-        _wait("the standby reconciled the second job",
-              lambda: ((kube.get(RLJOBS, "ml", "second") or {}).get("status") or {}).get("phase"), timeout=90)
+        wait_for(lambda: ((kube.get(RLJOBS, "ml", "second") or {}).get("status") or {}).get("phase"),
+                 90, "the standby reconciled the second job", interval=0.5)
         assert _reconciles(f"http://127.0.0.1:{standby.metrics_port}/metrics") > 0
     finally:
         for op in ops:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 
 from tests.kube.pod_runner import PodRunner, processes_in_sessions
 from tests.kube.server import KubeServer
+from tests.kube.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -80,16 +80,6 @@ def env(tmp_path: Path) -> Iterator[tuple[KubeServer, PodRunner]]:
         kube.stop()
 
 
-def _until(fn: Any, what: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_pod_runs_as_a_process_with_its_env_files_and_ports(env, tmp_path: Path) -> None:
     kube, runner = env
     out = tmp_path / "seen.json"
@@ -97,7 +87,7 @@ def test_a_pod_runs_as_a_process_with_its_env_files_and_ports(env, tmp_path: Pat
     runner.sync_once()
     pod = runner.running(NS, "p")
     assert pod is not None
-    seen = json.loads(_until(lambda: out.exists() and out.read_text(), "the process's report"))
+    seen = json.loads(wait_for(lambda: out.exists() and out.read_text(), 30, "the process's report"))
     e = seen["env"]
     assert e["TOKEN"] == "s3cret" and e["ME"] == "p" and e["CFG_MODE"] == "fast"  # valueFrom, fieldRef, envFrom
     assert seen["config"] == "a: 1\n" and seen["token"] == "s3cret"  # ConfigMap and Secret volumes as files
@@ -111,15 +101,15 @@ def test_a_pod_runs_as_a_process_with_its_env_files_and_ports(env, tmp_path: Pat
         runner.sync_once()
         return kube.get("v1/pods", NS, "p")["status"]
 
-    st = _until(lambda: (s := status()).get("phase") == "Running" and
-                {c["type"]: c["status"] for c in s.get("conditions", [])}.get("Ready") == "True" and s,
-                "Running and Ready")
+    st = wait_for(lambda: (s := status()).get("phase") == "Running" and
+                  {c["type"]: c["status"] for c in s.get("conditions", [])}.get("Ready") == "True" and s,
+                  30, "Running and Ready")
     assert st["containerStatuses"][0]["state"]["running"]
 
     kube.delete("v1/pods", NS, "p")
     runner.sync_once()
-    _until(lambda: pod.proc.poll() is not None, "the process to end after the pod was deleted")
-    _until(lambda: not processes_in_sessions({pod.sid}), "nothing left in the pod's session")
+    wait_for(lambda: pod.proc.poll() is not None, 30, "the process to end after the pod was deleted")
+    wait_for(lambda: not processes_in_sessions({pod.sid}), 30, "nothing left in the pod's session")
     assert (tmp_path / "logs" / f"{NS}_p_{pod.uid[:8]}.log").exists()
 
 
@@ -132,7 +122,7 @@ def test_exit_codes_become_the_pod_phase(env, tmp_path: Path) -> None:
         runner.sync_once()
         return {n: (kube.get("v1/pods", NS, n).get("status") or {}).get("phase", "") for n in ("ok", "bad")}
 
-    _until(lambda: phases() == {"ok": "Succeeded", "bad": "Failed"}, "Succeeded and Failed")
+    wait_for(lambda: phases() == {"ok": "Succeeded", "bad": "Failed"}, 30, "Succeeded and Failed")
     term = kube.get("v1/pods", NS, "bad")["status"]["containerStatuses"][0]["state"]["terminated"]
     assert term["exitCode"] == 3 and term["reason"] == "Error"
 

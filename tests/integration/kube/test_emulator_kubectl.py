@@ -9,18 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.kube.waiting import wait_for
+
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).parent
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def test_kubectl_apply_stores_rljob_and_get_prints_columns(kube, kubectl):
@@ -90,7 +82,7 @@ def test_kopf_operator_runs_against_the_emulator(kube, kubectl, kube_env, tmp_pa
                             env=kube_env, stdout=log, stderr=subprocess.STDOUT)
     try:
         kubectl("--validate=false", "apply", "-f", "examples/tiny-local.yaml")
-        job = _wait(lambda: (j := kube.get("specrl.io/v1alpha1/rljobs", "default", "tiny-local"))
+        job = wait_for(lambda: (j := kube.get("specrl.io/v1alpha1/rljobs", "default", "tiny-local"))
                     and (j.get("status") or {}).get("phase") == "Running" and j, 25, "kopf to set status.phase")
         assert job["status"]["step"] == 3
         assert job["metadata"]["finalizers"]  # kopf guards its delete handler with a finalizer
@@ -98,9 +90,9 @@ def test_kopf_operator_runs_against_the_emulator(kube, kubectl, kube_env, tmp_pa
         assert [c["metadata"]["name"] for c in cms] == ["tiny-local-config"]
 
         kubectl("delete", "rlj", "tiny-local", "--wait=false")
-        _wait(lambda: kube.get("specrl.io/v1alpha1/rljobs", "default", "tiny-local") is None, 20,
+        wait_for(lambda: kube.get("specrl.io/v1alpha1/rljobs", "default", "tiny-local") is None, 20,
               "kopf to release the finalizer")
-        _wait(lambda: not kube.list("v1/configmaps", "default"), 5, "garbage collection of the owned ConfigMap")
+        wait_for(lambda: not kube.list("v1/configmaps", "default"), 5, "garbage collection of the owned ConfigMap")
         counts = kube.request_counts()
         assert counts[("PATCH", "/apis/specrl.io/v1alpha1/namespaces/default/rljobs/tiny-local")] >= 1
     finally:
@@ -118,7 +110,7 @@ def test_kubectl_get_watch_streams_status_changes(kube, kubectl, kube_env):
     watch = subprocess.Popen([kubectl.binary, "get", "rlj", "-w"], env=kube_env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
-        _wait(lambda: len(kube.request_counts()) and any(m == "WATCH" for m, _p in kube.request_counts()), 10,
+        wait_for(lambda: len(kube.request_counts()) and any(m == "WATCH" for m, _p in kube.request_counts()), 10,
               "kubectl to start watching")
         kube.patch("specrl.io/v1alpha1/rljobs", "default", "tiny-local", {"status": {"phase": "Running", "step": 2}},
                    subresource="status")

@@ -36,6 +36,7 @@ if str(ROOT) not in sys.path:  # tests.kube is imported as a package from the re
     sys.path.insert(0, str(ROOT))
 
 from tests.kube.nodes import Kubelet, NodeEmulator
+from tests.kube.waiting import wait_for
 
 BIN = Path(sys.executable).parent
 KUBECTL = str(BIN / "kubectl")
@@ -49,18 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.1,
-             debug: Callable[[], Any] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}" + (f": {debug()}" if debug else ""))
-        time.sleep(interval)
 
 
 class FakeCoordinator:
