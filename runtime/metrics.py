@@ -138,6 +138,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("eval_accuracy", "specrl_eval_accuracy_ratio", "gauge",
                "Greedy accuracy on held-out problems at the last periodic evaluation (spec.algorithm.evalEvery)."),
     MetricSpec("trainer_loss", "specrl_trainer_loss", "gauge", "Policy loss of the last training step."),
+    # Before clipping (the clip is at 1.0): a norm that climbs for several steps is the usual early sign of an
+    # RL run about to diverge, long before the reward shows it.
+    MetricSpec("trainer_grad_norm", "specrl_trainer_grad_norm", "gauge",
+               "Gradient L2 norm of the last optimizer update of the step, before clipping."),
     MetricSpec("trainer_samples", "specrl_trainer_samples_total", "counter", "Samples trained on."),
     # weight sync
     MetricSpec("sync_duration", "specrl_weight_sync_duration_seconds", "histogram",
@@ -225,6 +229,7 @@ class RuntimeMetrics:
     trainer_backlog: Gauge
     eval_accuracy: Gauge
     trainer_loss: Gauge
+    trainer_grad_norm: Gauge
     trainer_samples: Counter
     sync_duration: Histogram
     sync_bytes: Counter
@@ -304,7 +309,8 @@ WORKER_OWNED: dict[str, frozenset[str]] = {
     "rollout": frozenset({"generated_tokens", "sequences_completed", "response_length", "spec_num_drafts",
                           "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_accepted_tokens_per_pos",
                           "weight_version", "reward_errors", "spec_decode_enabled", "spec_decode_draft_length"}),
-    "trainer": frozenset({"trainer_step", "trainer_step_duration", "trainer_loss", "trainer_samples",
+    "trainer": frozenset({"trainer_step", "trainer_step_duration", "trainer_loss", "trainer_grad_norm",
+                          "trainer_samples",
                           "weight_version", "drafter_train_steps", "drafter_loss", "sync_duration", "sync_bytes"}),
 }
 

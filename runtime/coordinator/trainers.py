@@ -137,6 +137,8 @@ class TrainerGroup:
             wm.trainer_samples.inc(int(o.get("samples", 0)))
             if "loss" in o:
                 wm.trainer_loss.set(o["loss"])
+            if "grad_norm" in o:
+                wm.trainer_grad_norm.set(o["grad_norm"])
             wm.weight_version.set(weight_version)
         self.sh.cm.trainer_reward_mean.set(mean)
         self.sh.cm.trainer_step.set(weight_version)

@@ -361,6 +361,7 @@ class TrainerWorker:
             self.metrics.trainer_step.set(self.step)
             self.metrics.trainer_step_duration.observe(result["seconds"])
             self.metrics.trainer_loss.set(result["loss"])
+            self.metrics.trainer_grad_norm.set(result["grad_norm"])
             self.metrics.trainer_samples.inc(len(samples))
             self.metrics.weight_version.set(self.weight_version)
         return result

@@ -229,6 +229,11 @@ JOB_ROWS: list[Row] = [
               "Policy (GRPO) loss of the last training step; a NaN or a sudden jump shows here first.",
               [Target(f"avg by (rljob_namespace, rljob) (specrl_trainer_loss{{{SEL}}})", "policy {{rljob}}")],
               min=None),
+        Panel("Gradient norm",
+              "L2 norm of the policy gradient before clipping at 1.0. A norm that keeps climbing warns of a run "
+              "about to diverge before the reward does.",
+              [Target(f"max by (rljob_namespace, rljob) (specrl_trainer_grad_norm{{{SEL}}})", "{{rljob}}")],
+              min=None),
         Panel("Training step",
               "Last completed RL step.",
               [Target(f"max by (rljob_namespace, rljob) (specrl_trainer_step{{{SEL}}})", "{{rljob}}")]),

@@ -206,6 +206,7 @@ def test_dashboards_show_what_goes_wrong_with_units() -> None:
                           ("Malformed dataset lines", "specrl_dataset_malformed_lines_total"),
                           ("Pod failures", "specrl_operator_job_pod_failures"),
                           ("Trainer loss", "specrl_trainer_loss"),
+                          ("Gradient norm", "specrl_trainer_grad_norm"),
                           ("Draft length (tokens)", "specrl_spec_decode_draft_length_tokens"),
                           ("Acceptance rate by draft position", "specrl_spec_decode_num_accepted_tokens_per_pos_total"),
                           ("Reconcile errors by reason", "specrl_operator_reconcile_errors_total"),
