@@ -327,7 +327,7 @@ def flat_source(layout: Layout, sources: Sequence[torch.Tensor]) -> torch.Tensor
     for meta, src in zip(metas, srcs):
         if src.untyped_storage().data_ptr() != storage.data_ptr() or src.data_ptr() - base != meta.offset:
             return None
-    return torch.empty(0, dtype=torch.uint8, device=srcs[0].device).set_(storage, start, (layout.total_bytes,))
+    return torch.empty(0, dtype=torch.uint8, device=srcs[0].device).set_(storage, start, (layout.total_bytes,), (1,))
 
 
 def _overlapping(metas: Sequence[TensorMeta], sources: Sequence[torch.Tensor], lo: int, hi: int):
@@ -433,11 +433,11 @@ def _local_address_towards(host: str, port: int) -> str:
 def rendezvous_from_env(host: str | None = None, port: int | None = None) -> tuple[str, int]:
     host = host or os.environ.get("SPECRL_SYNC_MASTER_ADDR")
     raw_port = port if port is not None else os.environ.get("SPECRL_SYNC_MASTER_PORT")
-    if not host or raw_port in (None, ""):
+    if not host or raw_port is None or raw_port == "":
         raise SyncError("weight sync rendezvous unknown: pass host/port or set SPECRL_SYNC_MASTER_ADDR and "
                         "SPECRL_SYNC_MASTER_PORT")
     try:
-        return host, int(raw_port)  # type: ignore[arg-type]
+        return host, int(raw_port)
     except ValueError:
         raise SyncError(f"SPECRL_SYNC_MASTER_PORT must be an integer, got {raw_port!r}") from None
 
@@ -503,7 +503,8 @@ class SyncGroup:
                 opts = nccl.Options()
                 opts._timeout = self.timeout
                 return nccl(prefix, rank, world_size, opts)
-            opts = ProcessGroupGloo._Options()
+            # torch's stub calls it Options, which at runtime is Backend.Options; gloo's own class is _Options
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._timeout = self.timeout
             opts._devices = [ProcessGroupGloo.create_device(hostname=self.device_host)]
             return ProcessGroupGloo(prefix, rank, world_size, opts)
@@ -519,6 +520,7 @@ class SyncGroup:
         """
         if epoch <= self.epoch:
             raise SyncError(f"weight sync: rebuild needs a new epoch > {self.epoch}, got {epoch}")
+        names: tuple[str, ...]
         if isinstance(members, int):
             world_size, rank, names = members, self.rank, ()
         else:
@@ -573,7 +575,7 @@ class SyncGroup:
         if self.pg is None:
             raise SyncError("weight sync group is closed; rebuild() it first")
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
+        opts.reduceOp = ReduceOp(ReduceOp.SUM)
         opts.timeout = self.timeout
         return self.pg.allreduce([t], opts)
 
@@ -698,6 +700,7 @@ class WeightSender:
                 if slot is None:
                     slot = free_slots.pop(0)
                 chunk = self._staging_buffer(slot)[:hi - lo]
+            assert chunk is not None  # packed, sent in place, or filler after an error
             pending.append((g.broadcast(chunk), slot))
             sent += 1
         for work, _ in pending:

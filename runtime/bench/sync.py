@@ -30,7 +30,10 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_BUCKET_MIB = 256  # RLJob spec.weightSync.bucketMiB default
 WARMUP = 2  # uncounted rounds per bucket size
@@ -71,7 +74,7 @@ def llama_shapes(w: Workload) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def build_state(w: Workload, seed: int = 0) -> dict[str, Any]:
+def build_state(w: Workload, seed: int = 0) -> dict[str, torch.Tensor]:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -117,9 +120,9 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
     def barrier() -> None:
         group.allreduce_sum(ping).wait()
 
-    state = build_state(w) if rank == 0 else None
+    state = build_state(w) if rank == 0 else None  # the sender's weights; None on the receiver
     nbytes = torch.zeros(1, dtype=torch.int64)
-    if rank == 0:
+    if state is not None:
         nbytes[0] = plan_layout(state, 1 << 20).total_bytes
     group.broadcast(nbytes).wait()
     n = int(nbytes.item())
@@ -127,7 +130,7 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
     # Raw TCP between the same two processes, same byte count.
     raw = torch.empty(n, dtype=torch.uint8)
     raw.fill_(7)  # touch every page before timing
-    mv = memoryview(raw.numpy())
+    mv = raw.numpy().data
     if rank == 0:
         srv = socket.create_server(("127.0.0.1", sock_port))
         barrier()
@@ -163,16 +166,17 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
 
     results: dict[str, Any] = {"bytes": n, "by_bucket": {}}
     version = 0
-    receiver = WeightReceiver(group) if rank != 0 else None  # its buffer pool persists, as in a rollout worker
+    # its buffer pool persists, as in a rollout worker
+    receiver = WeightReceiver(group) if state is None else None
     weights = VersionedWeights()
-    flat_state = None
-    reference: dict[str, Any] | None = None
+    flat_state: dict[str, torch.Tensor] | None = None
+    reference: dict[str, torch.Tensor] | None = None
     for mode, mib in configs:
-        if rank == 0 and mode == "zero-copy" and flat_state is None:
+        if state is not None and mode == "zero-copy" and flat_state is None:
             # What a trainer gets from flatten_modules_: parameters are views of one buffer in sync layout.
             flat_state = flatten_state(state)
-        payload = flat_state if mode == "zero-copy" else state
-        sender = WeightSender(group, bucket_mib=mib) if rank == 0 else None
+        payload = flat_state if mode == "zero-copy" else state  # None on the receiver
+        sender = WeightSender(group, bucket_mib=mib) if payload is not None else None
         samples: list[float] = []
         loop_samples: list[float] = []
         buckets = direct = 0
@@ -187,10 +191,10 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
             barrier()
             c0 = cpu_seconds()
             t0 = time.perf_counter()
-            if sender is not None:
+            if sender is not None and payload is not None:
                 stats = sender.send(payload, version)
                 buckets, direct = stats.buckets, stats.direct_buckets
-            else:
+            elif receiver is not None:
                 v, got, stats = receiver.receive()
                 weights.swap(v, got)
                 buckets = stats.buckets
@@ -213,6 +217,8 @@ def _run(rank: int, store_port: int, sock_port: int, w: Workload, configs: list[
             if bad or set(got) != set(reference):
                 raise RuntimeError(f"{key}: received state differs in {len(bad)} tensors, e.g. {bad[:1]}")
     if rank != 0:
+        if reference is None:
+            raise RuntimeError("no configuration was measured")
         # ... and that state is the sender's (rebuilt from the same seed).
         expect = build_state(w)
         bad = [k for k in expect if not torch.equal(expect[k], reference[k])]

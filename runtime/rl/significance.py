@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypedDict
 
 Z95 = 1.959963984540054
 
@@ -34,7 +35,21 @@ def mcnemar_exact_p(gained: int, lost: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
-def paired_comparison(before: Sequence[bool], after: Sequence[bool], z: float = Z95) -> dict[str, float | int]:
+class PairedComparison(TypedDict):
+    """Before/after accuracy on the same samples; the intervals are [low, high] lists so the dict is JSON as is."""
+    n: int
+    before: float
+    before_ci: list[float]
+    after: float
+    after_ci: list[float]
+    difference: float
+    difference_ci: list[float]
+    gained: int
+    lost: int
+    p_value: float
+
+
+def paired_comparison(before: Sequence[bool], after: Sequence[bool], z: float = Z95) -> PairedComparison:
     """Accuracy before and after on the same samples: each with its 95% interval, the paired difference with its
     95% interval, and McNemar's exact p-value."""
     if len(before) != len(after):

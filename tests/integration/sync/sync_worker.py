@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 from specrl.runtime import sync
@@ -140,7 +141,6 @@ def scenario_lifecycle(rank: int, port: int) -> None:
         receive()
     if me == "j-rollout-1":
         group.close()  # drained; joins again for epoch 2 as a new member would
-        receiver = None
         group = SyncGroup.join(names, me, epoch=2, host="127.0.0.1", port=port, timeout_s=30)
         receiver = WeightReceiver(group, metrics=m)
     else:
@@ -150,10 +150,8 @@ def scenario_lifecycle(rank: int, port: int) -> None:
     receive()  # v6
     if me == "j-rollout-1":
         out(rank=rank, log=log, epoch=group.epoch)
-        real = sync.Layout.from_json
-        sync.Layout.from_json = staticmethod(lambda raw: os._exit(0))  # v7: die after the header
-        receive()
-        sync.Layout.from_json = real
+        with mock.patch.object(sync.Layout, "from_json", staticmethod(lambda raw: os._exit(0))):
+            receive()  # v7: die after the header
         out(rank=rank, error="rollout-1 survived v7")
         return
     t0 = time.monotonic()

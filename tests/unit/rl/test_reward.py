@@ -53,10 +53,10 @@ def test_plugin_missing_attribute_or_not_callable(plugin):
 
 
 def test_raising_or_non_numeric_reward_scores_zero_and_is_counted(plugin):
-    seen = []
+    seen: list[BaseException | None] = []
     safe = SafeReward.from_spec(f"{plugin}:broken", on_error=seen.append)
     assert safe.batch(["p", "p"], ["c", "c"], ["a", "a"]) == [0.0, 0.0]
-    assert safe.errors == 2 and safe.calls == 2 and "user bug" in safe.last_error
+    assert safe.errors == 2 and safe.calls == 2 and "user bug" in str(safe.last_error)
     assert len(seen) == 2 and isinstance(seen[0], RuntimeError)
     nan = SafeReward.from_spec(f"{plugin}:nan")
     assert nan("p", "c", "a") == 0.0 and nan.errors == 1

@@ -33,6 +33,7 @@ def test_answers_and_worked_solutions_are_right():
     for p in SyntheticTask(500, seed=1):
         expr = p.prompt.removeprefix("Q:").removesuffix("=?")
         assert int(p.answer) == _eval(expr)
+        assert p.solution is not None
         steps = p.solution.split(";")
         assert steps[-1] == f"A:{p.answer}"
         # every step is a valid rewrite with the same value, each one operation shorter
@@ -99,7 +100,7 @@ def test_jsonl_gsm8k_and_malformed_lines_counted(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         ds = load_jsonl(path)
     assert [p.answer for p in ds.problems] == ["4", "72", "1000"]
-    assert ds.problems[1].prompt.startswith("Natalia") and ds.problems[0].solution.endswith("#### 4")
+    assert ds.problems[1].prompt.startswith("Natalia") and str(ds.problems[0].solution).endswith("#### 4")
     assert ds.malformed == 5
     assert "skipped 5 malformed" in caplog.text and "data.jsonl:4" in caplog.text
     with pytest.raises(DatasetError, match=r"data.jsonl:4: malformed line: invalid JSON"):

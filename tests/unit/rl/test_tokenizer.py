@@ -6,6 +6,7 @@ from specrl.runtime.rl.tokenizer import CharTokenizer
 def test_round_trip_task_text_and_specials():
     tok = CharTokenizer()
     for p in SyntheticTask(50, seed=3):
+        assert p.solution is not None
         text = p.prompt + p.solution
         ids = tok.encode(text, add_bos=True, add_eos=True)
         assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def solo() -> SyncGroup:
+def solo() -> Iterator[SyncGroup]:
     group = SyncGroup.join(["j-trainer-0"], "j-trainer-0", host="127.0.0.1", port=free_port(), timeout_s=10)
     yield group
     group.close()

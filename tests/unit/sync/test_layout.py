@@ -180,6 +180,8 @@ def test_flat_source_detects_flattened_state_only() -> None:
 
 
 class Tiny(torch.nn.Module):
+    scale: torch.Tensor  # a registered buffer
+
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(11, 8)

@@ -7,6 +7,7 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from specrl.runtime.metrics import FAMILY_NAMES, LABELS, METRIC_NAMES, METRICS, RuntimeMetrics, render
 
 DESIGN_METRICS = {
@@ -23,7 +24,7 @@ DESIGN_METRICS = {
 }
 
 
-def _samples(body: bytes) -> list:
+def _samples(body: bytes) -> list[Sample]:
     return [s for fam in text_string_to_metric_families(body.decode()) for s in fam.samples]
 
 
@@ -59,7 +60,7 @@ def test_values_and_labels_round_trip() -> None:
     m.response_length.observe(100)
     m.response_length.observe(5000)
     m.sync_duration.observe(0.3)
-    by_name = {}
+    by_name: dict[str, list[Sample]] = {}
     for s in _samples(m.render()):
         by_name.setdefault(s.name, []).append(s)
     assert by_name["specrl_weight_sync_bytes_total"][0].value == float(1 << 20)
