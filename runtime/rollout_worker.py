@@ -12,12 +12,15 @@ import threading
 import time
 import zlib
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .rl.settings import RunSettings
 from .rl.trainer import Sample
+
+if TYPE_CHECKING:
+    from .sync import SyncGroup, WeightReceiver
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +159,8 @@ class RolloutWorker:
         self.weight_version = 0
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
-        self._sync_group = None
-        self._receiver = None
+        self._sync_group: SyncGroup | None = None
+        self._receiver: WeightReceiver | None = None
         self.active_sequences = 0
 
     def _install_adaptive_controller(self) -> None:
@@ -191,10 +194,9 @@ class RolloutWorker:
         if self.vllm_updates is not None:  # vLLM's own NCCL group; the trainer (rank 0) sends with vLLM's producer
             self.engine.init_weight_transfer(host, port, rank_offset=rank, world_size=world_size)
             return True
-        self._sync_group = SyncGroup.create(host, port, rank=rank, world_size=world_size,
-                                            backend=self.settings.sync_backend, epoch=epoch,
-                                            timeout_s=self.settings.sync_timeout_s)
-        self._receiver = WeightReceiver(self._sync_group)
+        group = SyncGroup.create(host, port, rank=rank, world_size=world_size, backend=self.settings.sync_backend,
+                                 epoch=epoch, timeout_s=self.settings.sync_timeout_s)
+        self._sync_group, self._receiver = group, WeightReceiver(group)
         return True
 
     def close_sync_group(self) -> None:
@@ -262,7 +264,7 @@ class RolloutWorker:
             policy = state
         if policy:
             self.engine.load_policy_state(policy)
-            if self.ar_engine.model is not self.engine.model:
+            if self.ar_engine is not None and self.ar_engine.model is not self.engine.model:
                 self.ar_engine.load_policy_state(policy)
         if drafter and self.draft is not None:
             with torch.no_grad():
@@ -288,7 +290,7 @@ class RolloutWorker:
         s = self.settings
         return SamplingParams(temperature=0.0 if greedy else s.temperature, top_p=1.0 if greedy else s.top_p,
                               top_k=0 if greedy else s.top_k, max_new_tokens=s.max_new_tokens,
-                              stop_token_ids=list(self.tokenizer.stop_ids), seed=seed)
+                              stop_token_ids=tuple(self.tokenizer.stop_ids), seed=seed)
 
     def generate(self, items: list[tuple[str, int]], step: int, use_sd: bool = True) -> dict[str, Any]:
         """Roll out `group_size` samples for each (prompt_id, dataset index); returns samples and stats."""

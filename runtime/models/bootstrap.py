@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,9 @@ from ..rl.task import SyntheticTask, prompt_token_ids
 from ..rl.tokenizer import CharTokenizer
 from .evaluate import evaluate_accuracy
 from .recipes import BUILTIN_RECIPES, Recipe, resolve_recipe
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 BUILD_INFO = "build_info.json"
 EVAL_SEED = 424242  # evaluation problems never overlap the training seed range
@@ -208,7 +212,10 @@ def train(model, recipe: Recipe, examples: Sequence[Example], tokenizer: CharTok
 def _kl_loss(logits: torch.Tensor, batch: Sequence[Example], target_mask: torch.Tensor) -> torch.Tensor:
     """Mean over response positions of KL(teacher || student) on the full next-token distribution."""
     student = F.log_softmax(logits[target_mask].float(), dim=-1)
-    teacher = torch.cat([e.teacher_logprobs for e in batch], dim=0)  # same row order as the mask
+    rows = [e.teacher_logprobs for e in batch if e.teacher_logprobs is not None]
+    if len(rows) != len(batch):
+        raise ValueError("distillation: every example needs teacher log-probs, some have none")
+    teacher = torch.cat(rows, dim=0)  # same row order as the mask
     return (teacher.exp() * (teacher - student)).sum(-1).mean()
 
 
@@ -453,11 +460,12 @@ def ensure_models(names: Sequence[str], *, threads: int | None = None, force: bo
 # -- CLI ------------------------------------------------------------------------------------------------
 
 
-def _rich_progress():
+def _rich_progress() -> tuple[Progress, ProgressFn]:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
         Progress,
+        TaskID,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
@@ -465,7 +473,7 @@ def _rich_progress():
 
     bar = Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[note]}"), TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
-    tasks: dict[str, int] = {}
+    tasks: dict[str, TaskID] = {}
 
     def update(stage: str, done: int, total: int, note: str) -> None:
         if stage not in tasks:

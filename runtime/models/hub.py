@@ -23,10 +23,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..paths import cache_dir
 from .bootstrap import BUILD_INFO, ModelNotFoundError, build_atomically
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Architectures the native engine (engine/model_runner.py) and the trainer run.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -240,7 +243,7 @@ def check_architecture(path: Path, *, field: str = "model") -> str:
 
 
 def load_causal_lm(name: str | Path, dtype: Any = "float32", device: Any = "cpu", *, revision: str | None = None,
-                   field: str = "model"):
+                   field: str = "model") -> PreTrainedModel:
     """The model in eval mode, in `dtype`, on `device` — one code path for every kind of name."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -248,7 +251,8 @@ def load_causal_lm(name: str | Path, dtype: Any = "float32", device: Any = "cpu"
     path = resolve_model(name, revision, field=field)
     check_architecture(path, field=field)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
-    model.to(torch.device(device))
+    # transformers wraps PreTrainedModel.to with functools.wraps, and typeshed's _Wrapped does not bind `self`
+    model.to(torch.device(device))  # type: ignore[arg-type]
     model.eval()
     return model
 

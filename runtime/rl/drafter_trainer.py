@@ -16,15 +16,18 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .settings import RunSettings
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 class DrafterTrainer:
-    def __init__(self, model: torch.nn.Module, lr: float = 1e-3, buffer_sequences: int = 512, seed: int = 0,
+    def __init__(self, model: PreTrainedModel, lr: float = 1e-3, buffer_sequences: int = 512, seed: int = 0,
                  batch_size: int = 16) -> None:
         self.model = model
         self.model.train()
@@ -36,13 +39,13 @@ class DrafterTrainer:
         self.last_loss = float("nan")
 
     @classmethod
-    def from_settings(cls, settings: RunSettings) -> DrafterTrainer:
+    def from_settings(cls, settings: RunSettings, device: torch.device | str = "cpu") -> DrafterTrainer:
         from ..models.hub import load_causal_lm
 
         assert settings.draft_model
-        # float32 master weights like the policy's (the rollout copies hold spec.model.dtype); the trainer moves
-        # it to its device
-        model = load_causal_lm(settings.draft_model, "float32", "cpu", field="spec.speculative.draftModel")
+        # float32 master weights like the policy's (the rollout copies hold spec.model.dtype), on the trainer's
+        # device before the optimizer sees them
+        model = load_causal_lm(settings.draft_model, "float32", device, field="spec.speculative.draftModel")
         return cls(model, lr=settings.drafter_lr, seed=settings.seed)
 
     def add(self, sequences: list[list[int]], prompt_lens: list[int]) -> None:

@@ -19,13 +19,19 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .grpo import GRPOLossConfig, grpo_loss, token_logprobs
 from .settings import RunSettings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..engine.vllm_backend import VLLMWeightSender
+    from ..sync import SyncGroup, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +97,7 @@ POLICY_DIR, DRAFTER_DIR = "policy", "drafter"
 CHECKPOINT_FORMAT = 2  # 1: one torch.save pickle; 2: HF folders + trainer.pt
 
 
-def save_hf_folder(model: torch.nn.Module, tokenizer: Any, out: Path) -> None:
+def save_hf_folder(model: PreTrainedModel, tokenizer: Any, out: Path) -> None:
     """`model` (+ its tokenizer) as a Hugging Face folder, written to a temporary sibling and renamed into place.
 
     The state is copied out first: the trainer's parameters are views of one flat buffer (weight sync), which
@@ -138,8 +144,10 @@ def _tied_source(model: torch.nn.Module, key: str) -> str | None:
     for k, v in params.items():
         if k != key and v is target:
             return k
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    inp = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # `like` may be any module; Hugging Face models also name their tied embeddings
+    get_out, get_inp = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    out = get_out() if callable(get_out) else None
+    inp = get_inp() if callable(get_inp) else None
     if out is not None and inp is not None and key.endswith("lm_head.weight"):
         for k, v in params.items():
             if v is inp.weight:
@@ -229,12 +237,12 @@ class TrainerWorker:
         if rank == 0 and trains_drafter(settings):
             from .drafter_trainer import DrafterTrainer
 
-            self.drafter = DrafterTrainer.from_settings(settings)
-            self.drafter.model.to(self.device)  # in place: the optimizer keeps the same parameters
+            self.drafter = DrafterTrainer.from_settings(settings, self.device)
         self._dp_ready = False
         self.metrics = metrics
-        self._sync_group = None
-        self._sender = None
+        self._sync_group: SyncGroup | None = None
+        self._sender: WeightSender | None = None
+        self._vllm_sender: VLLMWeightSender | None = None  # instead of _sender when the rollouts are vLLM
 
     # -- distributed ------------------------------------------------------------------------------------
 
@@ -270,8 +278,7 @@ class TrainerWorker:
         if rank == 0 and self.drafter is None and trains_drafter(self.settings):
             from .drafter_trainer import DrafterTrainer
 
-            self.drafter = DrafterTrainer.from_settings(self.settings)
-            self.drafter.model.to(self.device)
+            self.drafter = DrafterTrainer.from_settings(self.settings, self.device)
         return self.init_data_parallel(master_addr, master_port, backend)
 
     def export_state(self) -> dict[str, Any]:
@@ -441,7 +448,7 @@ class TrainerWorker:
         if self.settings.rollout_engine == "vllm":  # rollout workers are vLLM engines: speak vLLM's wire format
             from ..engine.vllm_backend import VLLMWeightSender
 
-            self._sender = VLLMWeightSender(host, port, world_size)
+            self._vllm_sender = VLLMWeightSender(host, port, world_size)
             return True
         # Parameters become views of one buffer in sync_state() order, so every bucket goes out straight from
         # parameter memory (no packing copy). Redone per group because a drafter may have appeared since.
@@ -449,39 +456,40 @@ class TrainerWorker:
         if self.drafter is not None:
             modules["drafter"] = self.drafter.model
         flatten_modules_(**modules)
-        self._sync_group = SyncGroup.create(host, port, rank=0, world_size=world_size,
-                                            backend=self.settings.sync_backend, epoch=epoch,
-                                            timeout_s=self.settings.sync_timeout_s)
-        self._sender = WeightSender(self._sync_group, bucket_mib=self.settings.bucket_mb)
+        group = SyncGroup.create(host, port, rank=0, world_size=world_size, backend=self.settings.sync_backend,
+                                 epoch=epoch, timeout_s=self.settings.sync_timeout_s)
+        self._sync_group = group
+        self._sender = WeightSender(group, bucket_mib=self.settings.bucket_mb)
         return True
 
     def close_sync_group(self) -> None:
         if self._sync_group is not None:
             self._sync_group.close()
-        elif self._sender is not None and hasattr(self._sender, "close"):  # VLLMWeightSender's NCCL communicator
-            self._sender.close()
-        self._sync_group = self._sender = None
+        if self._vllm_sender is not None:  # its NCCL communicator
+            self._vllm_sender.close()
+        self._sync_group = self._sender = self._vllm_sender = None
 
     def send_weights(self, version: int) -> dict[str, float]:
-        assert self._sender is not None, "open_sync_group first"
-        if self.settings.rollout_engine == "vllm":
-            return self._send_to_vllm()
+        if self._vllm_sender is not None:
+            return self._send_to_vllm(self._vllm_sender)
+        if self._sender is None:
+            raise RuntimeError("send_weights: open_sync_group first")
         stats = self._sender.send(self.sync_state(), version)
         if self.metrics is not None:
             self.metrics.sync_duration.observe(stats.seconds)
             self.metrics.sync_bytes.inc(stats.bytes)
         return {"seconds": float(stats.seconds), "bytes": int(stats.bytes)}
 
-    def _send_to_vllm(self) -> dict[str, float]:
+    def _send_to_vllm(self, sender: VLLMWeightSender) -> dict[str, float]:
         """The policy, then the trained drafter, from device memory with vLLM's packed producer (the rollout
         workers run the matching update_weights; `vllm_backend.named_weights` fixes the order and dtype)."""
         from ..engine.vllm_backend import named_weights
 
         t0 = time.perf_counter()
         dtype = getattr(torch, self.settings.dtype)
-        sent = self._sender.send(named_weights(self.model, dtype)).nbytes
+        sent = sender.send(named_weights(self.model, dtype)).nbytes
         if self.drafter is not None:
-            sent += self._sender.send(named_weights(self.drafter.model, dtype)).nbytes
+            sent += sender.send(named_weights(self.drafter.model, dtype)).nbytes
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.sync_duration.observe(seconds)

@@ -44,16 +44,19 @@ def test_loss_hand_computed_with_clipping():
     assert out.clip_fraction == pytest.approx(2 / 3)
     assert out.tokens == 3
     out.loss.backward()
+    grad = lp.grad
+    assert grad is not None
     # clipped tokens carry no gradient; token 2: d/dlp of -(ratio*A)/3 = -ratio/3 = -1/3
-    assert lp.grad[0, 0] == 0 and lp.grad[1, 0] == 0
-    assert float(lp.grad[0, 1]) == pytest.approx(-1 / 3, rel=1e-6)
-    assert lp.grad[1, 1] == 0  # masked
+    assert grad[0, 0] == 0 and grad[1, 0] == 0
+    assert float(grad[0, 1]) == pytest.approx(-1 / 3, rel=1e-6)
+    assert grad[1, 1] == 0  # masked
 
 
 def test_unclipped_gradient_is_policy_gradient():
     lp = torch.log(torch.tensor([[0.5, 0.25]])).requires_grad_(True)
     out = grpo_loss(lp, lp.detach(), torch.tensor([2.0]), torch.ones(1, 2))
     out.loss.backward()
+    assert lp.grad is not None
     assert lp.grad[0].tolist() == pytest.approx([-1.0, -1.0])  # -A * ratio / n_tokens, ratio 1
 
 
@@ -120,6 +123,6 @@ def test_token_logprobs_with_top_k_top_p_have_finite_gradients_on_removed_tokens
     tokens = torch.tensor([3])  # removed by top-k 2 (a padding position can hold such a token)
     lp = token_logprobs(logits, tokens, 1.0, top_k=2, top_p=0.9)
     (lp * 0.0).sum().backward()
-    assert torch.isfinite(logits.grad).all()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
     kept = token_logprobs(logits, torch.tensor([0]), 1.0, top_k=2)
     assert float(kept) == pytest.approx(math.log(math.exp(3) / (math.exp(3) + math.exp(2))), rel=1e-6)

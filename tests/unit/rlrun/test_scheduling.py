@@ -122,10 +122,10 @@ def test_ledger_never_loses_or_duplicates(ops):
         elif op == "die":
             led.requeue(name)
         else:
-            held = list(led.in_flight.get(name, {}).values())
+            failing = list(led.in_flight.get(name, {}).values())
             again, dropped = led.fail(name, retries=1, reason="task error")
-            assert sorted(again + dropped, key=lambda it: it.draw) == sorted(held, key=lambda it: it.draw)
-            assert len(held) <= 1 or not any(led.failures[it.prompt_id] > 1 for it in held), \
+            assert sorted(again + dropped, key=lambda it: it.draw) == sorted(failing, key=lambda it: it.draw)
+            assert len(failing) <= 1 or not any(led.failures[it.prompt_id] > 1 for it in failing), \
                 "a prompt that failed before must have run alone"
         led.check()
     for name in list(led.in_flight):
@@ -238,6 +238,6 @@ def test_checkpoint_listing_and_pruning(tmp_path):
         mark_complete(d, {"step": n})
     (tmp_path / "step-000005").mkdir()  # torn: every rank wrote its part but the marker is missing
     (tmp_path / "step-000005" / "trainer.pt").write_bytes(b"x")
-    assert latest_checkpoint(tmp_path).endswith("step-000004")
+    assert str(latest_checkpoint(tmp_path)).endswith("step-000004")
     prune_checkpoints(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
