@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,9 @@ from ..engine.adaptive import (
     label,
 )
 from ..engine.control import Decision, FixedController, StepRecord
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 BENCH_SEED = 20260522
 TARGET = "builtin:bench"
@@ -171,7 +174,7 @@ def workload(n: int) -> list[list[int]]:
 
 
 def sampling(n: int, max_new_tokens: int, eos: int | None, offset: int = 0) -> list[SamplingParams]:
-    stops = [eos] if eos is not None else []
+    stops = (eos,) if eos is not None else ()
     return [SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=stops,
                            seed=BENCH_SEED + offset + i) for i in range(n)]
 
@@ -371,7 +374,7 @@ def memory_bandwidth_gb_s(megabytes: int = 256, repeats: int = 7) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def bytes_per_decode_token(model: torch.nn.Module) -> int:
+def bytes_per_decode_token(model: PreTrainedModel) -> int:
     """Weight bytes one batch-1 decode step must read: every matrix, except the input embedding (one row)."""
     total = 0
     embed = model.get_input_embeddings().weight
@@ -561,7 +564,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     # batch 1: engine AR vs speculative (the draft-model configuration the sweep measured fastest at batch 1,
     # the same draft HF assisted generation uses), HF AR, HF assisted
     bs1_prompts = prompts[: plan.bs1_prompts]
-    bs1 = {"ar": [], "sd": [], "adaptive": [], "hf_ar": [], "hf_assisted": []}
+    bs1: dict[str, list[float]] = {"ar": [], "sd": [], "adaptive": [], "hf_ar": [], "hf_assisted": []}
     sd_method = "draft_model" if "draft_model" in available else (available[0] if available else None)
     row1 = next((row for row in sweep if row["batch_size"] == 1), None)
     sd_gamma = 4
@@ -661,10 +664,11 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
     for b in plan.sweep_batch_sizes:
         tps = {n: med(v) for n, v in samples[b].items()}
         best = max((n for n in fixed), key=lambda n: tps[n] or 0.0)
+        best_tps = tps[best]
         rows.append({"batch_size": b, "tokens_per_s": tps, "tokens_per_s_spread": {n: spread(v) for n, v in
                                                                                      samples[b].items()},
                      "best_fixed": best,
-                     "adaptive_vs_best": (tps["adaptive"] or 0.0) / tps[best] if tps[best] else None,
+                     "adaptive_vs_best": (tps["adaptive"] or 0.0) / best_tps if best_tps else None,
                      "adaptive_vs_best_per_repeat": [round(a / f, 3) for a, f in zip(samples[b]["adaptive"],
                                                                                       samples[b][best]) if f],
                      "model_choice": label(_model_choice(cal, adaptive, b))})
@@ -748,6 +752,7 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
     tok = load_tokenizer(name)
     prompts = [tok.prompt_ids(text) for text in REAL_PROMPTS]
     eos = list(tok.stop_ids)
+    stops = tuple(eos)
     max_new = 12 if plan.quick else 64
     sizes = (1, 2) if plan.quick else (1, 2, 4, 8, 16)
     spec = SpeculativeConfig(method=REAL_PROPOSERS[0], extra_methods=REAL_PROPOSERS[1:], max_speculative_tokens=8)
@@ -768,11 +773,11 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
     for r in range(plan.repeats):
         for b in sizes:
             batch = [prompts[i % len(prompts)] for i in range(b)]
-            params = [SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=eos,
+            params = [SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=stops,
                                      seed=BENCH_SEED + 100 * r + i) for i in range(b)]
-            for n, (m, g) in configs.items():
+            for n, (method, gamma) in configs.items():
                 progress(f"{name}, repeat {r + 1}/{plan.repeats}: batch {b} {n}")
-                samples[b][n].append(run_engine(engine, FixedController(m, g), batch, params).tokens_per_s)
+                samples[b][n].append(run_engine(engine, FixedController(method, gamma), batch, params).tokens_per_s)
             samples[b]["adaptive"].append(run_engine(engine, adaptive, batch, params).tokens_per_s)
         progress(f"{name}, repeat {r + 1}/{plan.repeats}: transformers")
         hf["plain"].append(_hf_bs1(model, hf_prompts, max_new, eos, tok.pad_id, BENCH_SEED))
@@ -784,7 +789,7 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
         advance()
     bandwidth = max(memory_bandwidth_gb_s(64 if plan.quick else 512) for _ in range(3))
     bpt = engine_bytes_per_step(engine)
-    rows = []
+    rows: list[dict[str, Any]] = []  # JSON report rows
     for b in sizes:
         tps = {n: med(v) for n, v in samples[b].items()}
         sd = {n: v for n, v in tps.items() if n not in ("plain", "adaptive")}

@@ -55,8 +55,12 @@ class VLLMEagleLayout:
         # the stacking map of the draft model (hf name part -> vLLM parameter part)
         mapper = next(n.value for n in model.body if isinstance(n, ast.Assign)
                       and ast.unparse(n.targets[0]) == "hf_to_vllm_mapper")
+        assert isinstance(mapper, ast.Call), ast.unparse(mapper)
         stacked = next(k.value for k in mapper.keywords if k.arg == "orig_to_new_stacked")
-        self.stacked = {ast.literal_eval(k): ast.literal_eval(v)[0] for k, v in zip(stacked.keys, stacked.values)}
+        assert isinstance(stacked, ast.Dict), ast.unparse(stacked)
+        assert None not in stacked.keys, "orig_to_new_stacked unpacks another mapping: " + ast.unparse(stacked)
+        self.stacked = {ast.literal_eval(k): ast.literal_eval(v)[0] for k, v in zip(stacked.keys, stacked.values)
+                        if k is not None}
         # fc: 2H -> H, bias?
         fc = attrs["fc"]
         kw = {k.arg: k.value for k in fc.keywords}
@@ -65,6 +69,7 @@ class VLLMEagleLayout:
         # the order of the concatenated inputs of fc in forward
         forward = _method(model, "forward")
         cat = next(n for n in ast.walk(forward) if isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.cat")
+        assert isinstance(cat.args[0], (ast.List, ast.Tuple)), ast.unparse(cat)
         names = [ast.unparse(e) for e in cat.args[0].elts]
         sources = {ast.unparse(n.targets[0]): ast.unparse(n.value) for n in ast.walk(forward)
                    if isinstance(n, ast.Assign) and len(n.targets) == 1}

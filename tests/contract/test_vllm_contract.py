@@ -74,7 +74,7 @@ def payload_problems(src: Source, module: str, cls: str, payload: dict[str, Any]
 def drive_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every path of the backend against the fake: each vLLM method, generate, counters, weight transfer."""
     fake_vllm.install(monkeypatch)
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=3, stop_token_ids=[2], seed=1)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=3, stop_token_ids=(2,), seed=1)
     for method in VLLM_METHODS:
         spec = {"method": method, "draftModel": "/ckpt/draft", "promptLookupMin": 2,
                 "numSpeculativeTokensPerBatchSize": [[1, 8, 4], [9, 256, 0]]}  # every key the mapping can emit
@@ -132,7 +132,8 @@ def test_payloads_and_values_are_what_vllm_parses(src: Source, monkeypatch: pyte
         elif name == "trainer_init":
             fn = src.find(COMMON, "trainer_init")[1]
             read = {n.slice.value for n in ast.walk(fn) if isinstance(n, ast.Subscript)
-                    and isinstance(n.slice, ast.Constant) and ast.unparse(n.value) == "init_info"}
+                    and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)
+                    and ast.unparse(n.value) == "init_info"}
             if set(payload["init_info"]) != read:
                 problems.append(f"trainer_init reads init_info keys {sorted(read)}, we send "
                                 f"{sorted(payload['init_info'])}")

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -113,7 +114,7 @@ class Signature:
     def names(self) -> set[str]:
         return set(self.positional) | set(self.keyword_only)
 
-    def bind(self, n_positional: int, keywords: set[str] | list[str]) -> list[str]:
+    def bind(self, n_positional: int, keywords: Iterable[str]) -> list[str]:
         """Why a call with `n_positional` arguments and these keyword names would fail (empty = it binds)."""
         problems: list[str] = []
         keywords = set(keywords)

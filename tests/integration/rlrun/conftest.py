@@ -24,6 +24,6 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def micro():
-    from micro import micro_models
+    from tests.integration.rlrun.micro import micro_models
 
     return micro_models()

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 import torch
-from micro import micro_settings
+from tests.integration.rlrun.micro import micro_settings
 from specrl.runtime.devices import collective_backend, device_for, ray_num_gpus
 from specrl.runtime.rl.trainer import Sample, TrainerWorker
 

@@ -36,7 +36,7 @@ def test_task_error_hung_worker_and_slow_reward(local_ray, micro, tmp_path):
     - a worker frozen with SIGSTOP while it holds a chunk (hung) is retired after rolloutChunkTimeoutSeconds and
       its prompts run elsewhere;
     - a reward that sleeps past reward.timeoutSeconds scores 0 and is counted, the rollout goes on."""
-    from micro import micro_settings  # type: ignore[import-not-found]  # conftest puts it on sys.path
+    from tests.integration.rlrun.micro import micro_settings
     from specrl.runtime.rl.task import SyntheticTask
 
     rows = [{"prompt": p.prompt, "answer": p.answer} for p in SyntheticTask(9, None, 3)]
@@ -130,7 +130,7 @@ def test_receivers_that_die_around_a_weight_sync_are_left_out(local_ray, micro):
     """13.13: rollout-1 dies inside the transfer of version 2 (its process exits in `receive`); rollout-2 is
     SIGKILLed while step 1 trains (gone before the sync starts). Both are left out, the group is rebuilt over
     rollout-0, the weights are sent again, and the job goes on with rollout-0 serving the trainer's weights."""
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=3, rollouts=3, drafter_training=False, sync_timeout_s=20.0)
     coord = JobCoordinator(s)
@@ -166,7 +166,7 @@ def test_version_zero_is_shipped_at_start(local_ray, micro):
     """13.17: a rollout worker that starts from other weights (a pod that resolved another model revision) serves
     the trainer's weights before its first rollout."""
     import ray
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=1, rollouts=1, drafter_training=False)
     coord = JobCoordinator(s)
@@ -198,7 +198,7 @@ def test_async_checkpoint_with_prompts_in_flight_resumes_exactly_once(local_ray,
     """13.16: async mode with a checkpoint after every step. At each boundary the next step's prompts are in flight
     or done but untrained; the checkpoint saves them as queued, and a job resumed from it trains every draw of
     the whole job exactly once."""
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=3, rollouts=2, mode="async", max_staleness=1, drafter_training=False,
                        checkpoint_dir=str(tmp_path), checkpoint_interval=1, checkpoint_keep=5)
@@ -232,7 +232,7 @@ def test_async_checkpoint_with_prompts_in_flight_resumes_exactly_once(local_ray,
 def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, tmp_path):
     """13.18: async mode (maxStaleness 1) on a JSONL dataset learns a behaviour the reward pays for, and the next
     step's rollouts run while the trainers work (chunks of later steps finish during training)."""
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
     from specrl.runtime.rl.task import SyntheticTask
 
     data = tmp_path / "train.jsonl"

@@ -48,7 +48,7 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
     """2 trainers (gloo DP) + 2 rollout workers; HTTP contract while it runs; a trainer drained over HTTP and a
     new trainer joining, each at a step boundary, with the data-parallel ranks bit-identical afterwards."""
     import ray
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=4, trainers=2, rollouts=2, reward="rewards_for_tests:length_reward")
     coord = JobCoordinator(s, token="s3cret", http_port=free_port())
@@ -56,6 +56,7 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
         coord.start()
         before = coord.trainer_digest()
         url = coord.url
+        assert url is not None  # start() binds the HTTP server
         t, box = _run_in_thread(coord.run_step)
         seen_phases = set()
         with httpx.Client(base_url=url, timeout=10) as http:
@@ -136,7 +137,7 @@ def test_grpo_raises_the_reward_of_a_real_job(local_ray, micro):
     The reward is one the near-random micro policy earns about half the time (start the answer with a digit),
     so a sign error, a stale sync or an advantage bug anywhere shows up as a flat or falling reward.
     """
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=20, prompts_per_step=8, group_size=4, lr=1e-2, reward="rewards_for_tests:starts_with_digit",
                        drafter_training=False, eval_size=4, eval_every=10)
@@ -160,13 +161,14 @@ def test_drain_and_worker_death_mid_rollout_lose_nothing(local_ray, micro):
     """A drain and a worker death while chunks are out; the dataset (5 rows, 6 prompts per step) makes every step
     draw some row twice (13.15): each draw is its own prompt, trained exactly once."""
     import ray
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=2, rollouts=3, prompts_per_step=6, max_new_tokens=96, drafter_training=False,
                        dataset_size=5)
     coord = JobCoordinator(s, token="t", http_port=free_port())
     try:
         coord.start()
+        assert coord.url is not None
         t, box = _run_in_thread(coord.run)
         drained = killed = None
         deadline = time.monotonic() + 120
@@ -195,7 +197,7 @@ def test_drain_and_worker_death_mid_rollout_lose_nothing(local_ray, micro):
 
 
 def test_crash_resume_gives_bit_identical_weights(local_ray, micro, tmp_path):
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=3, rollouts=1, checkpoint_dir=str(tmp_path), checkpoint_interval=1,
                        reward="rewards_for_tests:length_reward")

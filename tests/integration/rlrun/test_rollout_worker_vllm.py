@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from micro import micro_settings
+from tests.integration.rlrun.micro import micro_settings
 from specrl.runtime.engine.vllm_backend import VLLMRolloutEngine, named_weights
 from specrl.runtime.rl.trainer import TrainerWorker
 

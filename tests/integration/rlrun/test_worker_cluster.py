@@ -145,7 +145,8 @@ class Cluster:
 
     def wait_status(self, done: Callable[[dict], bool], what: str) -> dict:
         """Poll GET /status until `done(status)`; fail with every pod's output if a pod exits first."""
-        t0, status = time.monotonic(), {}
+        t0 = time.monotonic()
+        status: dict = {}
         while time.monotonic() - t0 < JOB_TIMEOUT_S:
             for p in self.pods:
                 if p.proc.poll() is not None:

@@ -9,7 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
-from scipy import stats  # type: ignore[import-untyped]
+from scipy import stats
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
 from specrl.runtime.engine.model_runner import TransformerRunner
 
