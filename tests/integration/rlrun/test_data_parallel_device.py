@@ -13,9 +13,10 @@ import socket
 
 import pytest
 import torch
-from tests.integration.rlrun.micro import micro_settings
 from specrl.runtime.devices import collective_backend, device_for, ray_num_gpus
 from specrl.runtime.rl.trainer import Sample, TrainerWorker
+
+from tests.integration.rlrun.micro import micro_settings
 
 pytestmark = pytest.mark.integration
 

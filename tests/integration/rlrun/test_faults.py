@@ -36,8 +36,9 @@ def test_task_error_hung_worker_and_slow_reward(local_ray, micro, tmp_path):
     - a worker frozen with SIGSTOP while it holds a chunk (hung) is retired after rolloutChunkTimeoutSeconds and
       its prompts run elsewhere;
     - a reward that sleeps past reward.timeoutSeconds scores 0 and is counted, the rollout goes on."""
-    from tests.integration.rlrun.micro import micro_settings
     from specrl.runtime.rl.task import SyntheticTask
+
+    from tests.integration.rlrun.micro import micro_settings
 
     rows = [{"prompt": p.prompt, "answer": p.answer} for p in SyntheticTask(9, None, 3)]
     rows[2] = {"prompt": "x" * 300, "answer": "1"}  # longer than the micro policy's 256 positions
@@ -166,6 +167,7 @@ def test_version_zero_is_shipped_at_start(local_ray, micro):
     """13.17: a rollout worker that starts from other weights (a pod that resolved another model revision) serves
     the trainer's weights before its first rollout."""
     import ray
+
     from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=1, rollouts=1, drafter_training=False)
@@ -232,8 +234,9 @@ def test_async_checkpoint_with_prompts_in_flight_resumes_exactly_once(local_ray,
 def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, tmp_path):
     """13.18: async mode (maxStaleness 1) on a JSONL dataset learns a behaviour the reward pays for, and the next
     step's rollouts run while the trainers work (chunks of later steps finish during training)."""
-    from tests.integration.rlrun.micro import micro_settings
     from specrl.runtime.rl.task import SyntheticTask
+
+    from tests.integration.rlrun.micro import micro_settings
 
     data = tmp_path / "train.jsonl"
     lines = [json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in SyntheticTask(64, None, 5)]

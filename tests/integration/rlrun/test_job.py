@@ -48,6 +48,7 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
     """2 trainers (gloo DP) + 2 rollout workers; HTTP contract while it runs; a trainer drained over HTTP and a
     new trainer joining, each at a step boundary, with the data-parallel ranks bit-identical afterwards."""
     import ray
+
     from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=4, trainers=2, rollouts=2, reward="rewards_for_tests:length_reward")
@@ -161,6 +162,7 @@ def test_drain_and_worker_death_mid_rollout_lose_nothing(local_ray, micro):
     """A drain and a worker death while chunks are out; the dataset (5 rows, 6 prompts per step) makes every step
     draw some row twice (13.15): each draw is its own prompt, trained exactly once."""
     import ray
+
     from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=2, rollouts=3, prompts_per_step=6, max_new_tokens=96, drafter_training=False,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.integration.rlrun.micro import micro_settings
 from specrl.runtime.engine.vllm_backend import VLLMRolloutEngine, named_weights
 from specrl.runtime.rl.trainer import TrainerWorker
 
 from tests.contract import fake_vllm
+from tests.integration.rlrun.micro import micro_settings
 
 pytestmark = pytest.mark.integration
 
