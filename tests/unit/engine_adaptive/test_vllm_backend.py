@@ -77,7 +77,7 @@ def test_schedule_follows_the_calibrated_toggle() -> None:
     assert ks == sorted(ks, reverse=True)  # K never grows with the batch size on this machine
     config = speculative_config_from_spec(spec(method="draft_model", draftModel="x"), per_batch_size=schedule,
                                           draft_model_path="/d")
-    assert config["num_speculative_tokens_per_batch_size"] == schedule
+    assert config is not None and config["num_speculative_tokens_per_batch_size"] == schedule
 
 
 def test_engine_builds_llm_generates_and_converts(fake_vllm_module: Any, vllm_calls: list) -> None:
@@ -92,7 +92,7 @@ def test_engine_builds_llm_generates_and_converts(fake_vllm_module: Any, vllm_ca
     assert sc["method"] == "draft_model" and sc["model"] == "/ckpt/draft"
     assert sc["num_speculative_tokens_per_batch_size"] == schedule_from_controller(ctrl, 4, 32)
     assert sc["num_speculative_tokens_per_batch_size"][-1][1] == 32
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_new_tokens=2, stop_token_ids=[2], seed=7)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=5, max_new_tokens=2, stop_token_ids=(2,), seed=7)
     outs = engine.generate([[1, 5, 9], [3, 4]], params)
     sent = vllm_calls[1][1]
     assert sent["prompts"] == [{"prompt_token_ids": [1, 5, 9]}, {"prompt_token_ids": [3, 4]}]
