@@ -52,6 +52,7 @@ class StaticKVCache:
         # indices is ~1000x slower on CPU (it permutes the whole cache).
         idx = plan.flat_index
         if idx is None:
+            assert plan.rows is not None  # a plan without a single row start has rows
             h = self.kv_heads
             heads = torch.arange(h, device=k.device).view(1, h, 1)
             idx = ((plan.rows[:, :1].unsqueeze(1) * h + heads) * self.max_len + plan.positions.unsqueeze(1)).reshape(-1)

@@ -155,7 +155,8 @@ def _sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
         item = entry.get(token) if isinstance(entry, Mapping) else None
         if item is None:
             raise ValueError(f"vLLM output: no logprob for sampled token {token} at position {position}")
-        out.append(float(getattr(item, "logprob", item)))
+        value: Any = getattr(item, "logprob", item)  # a Logprob, or the bare float of older vLLM versions
+        out.append(float(value))
     return out
 
 

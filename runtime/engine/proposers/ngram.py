@@ -64,9 +64,9 @@ class NgramProposer(Proposer):
                 index[tuple(tokens[end - n + 1 : end + 1])] = end
         self.indexed[slot] = max(self.indexed[slot], last)
         for n in range(min(self.n_max, last), self.n_min - 1, -1):
-            end = index.get(tuple(tokens[last - n + 1 :]))
-            if end is not None:
-                return tokens[end + 1 : end + 1 + gamma]
+            hit = index.get(tuple(tokens[last - n + 1 :]))
+            if hit is not None:
+                return tokens[hit + 1 : hit + 1 + gamma]
         return []
 
     def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
