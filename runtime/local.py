@@ -23,8 +23,15 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from rich.live import Live
+    from rich.progress import Progress, TaskID
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +156,8 @@ def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = T
     build_models(settings, progress)
     start_ray()
     opts = {"http_port": free_port(), **(coordinator_options or {})}
-    coord = ray.remote(JobCoordinator).options(num_cpus=0, max_concurrency=8).remote(settings, **opts)
+    # Ray types an actor handle's methods as Any (and `.remote()` of an actor class as handle-or-class)
+    coord: Any = ray.remote(JobCoordinator).options(num_cpus=0, max_concurrency=8).remote(settings, **opts)
     display = Display(settings, enabled=progress)
     metrics_path = out_dir / "metrics.jsonl"
     records: list[dict] = []
@@ -366,9 +374,9 @@ class Display:
         self.settings = settings
         self.enabled = enabled and sys.stdout.isatty() or (enabled and os.environ.get("SPECRL_FORCE_PROGRESS"))
         self.rows: list[tuple] = []
-        self.live = None
-        self.progress = None
-        self.task = None
+        self.live: Live | None = None
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
         self.status: dict = {}
 
     def note(self, text: str) -> None:
@@ -386,10 +394,11 @@ class Display:
             self.live.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self.live is not None:
             self.live.update(self._render())
-            self.live.__exit__(*exc)
+            self.live.__exit__(exc_type, exc, tb)
 
     def _render(self):
         from rich import box
@@ -412,7 +421,7 @@ class Display:
 
     def update_status(self, status: dict) -> None:
         self.status = status
-        if self.progress is not None:
+        if self.progress is not None and self.task is not None and self.live is not None:
             self.progress.update(self.task, phase=status.get("phase", ""))
             self.live.update(self._render())
 
@@ -428,7 +437,7 @@ class Display:
                "-" if rec["sd_share"] is None else f"{100 * rec['sd_share']:.0f}%",
                f"{rec['rollout_seconds']:.1f}", f"{rec['train_seconds']:.1f}", f"{rec['step_seconds']:.1f}")
         self.rows.append(row)
-        if self.progress is not None:
+        if self.progress is not None and self.task is not None and self.live is not None:
             self.progress.update(self.task, advance=1)
             self.live.update(self._render())
         else:
@@ -455,7 +464,8 @@ def write_plots(records: list[dict], out_dir: Path, summary: dict | None = None,
     if not records:
         return []
     summary = summary or {}
-    panels = [("reward_accuracy", _plot_reward), ("response_lengths", _plot_lengths),
+    panels: list[tuple[str, Callable[[Any, list[dict], dict, dict | None], None]]] = [
+        ("reward_accuracy", _plot_reward), ("response_lengths", _plot_lengths),
               ("acceptance", _plot_acceptance), ("time_breakdown", _plot_time)]
     if compare and compare.get("sd_trace"):
         panels.insert(2, ("decode_timeline", _plot_timeline))

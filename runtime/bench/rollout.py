@@ -45,6 +45,7 @@ from ..engine.adaptive import (
     label,
 )
 from ..engine.control import Decision, FixedController, StepRecord
+from ..engine.model_runner import decoder_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -377,7 +378,7 @@ def memory_bandwidth_gb_s(megabytes: int = 256, repeats: int = 7) -> float:
 def bytes_per_decode_token(model: PreTrainedModel) -> int:
     """Weight bytes one batch-1 decode step must read: every matrix, except the input embedding (one row)."""
     total = 0
-    embed = model.get_input_embeddings().weight
+    embed = decoder_of(model).embed_tokens.weight
     for p in model.parameters():
         total += p.numel() * p.element_size() if p is not embed else embed.shape[1] * embed.element_size()
     if getattr(model.config, "tie_word_embeddings", False):
@@ -735,7 +736,7 @@ def engine_bytes_per_step(engine: RolloutEngine) -> int:
     """Bytes one batch-1 plain step of the engine reads: every weight in the engine's dtype (one embedding row)."""
     model = engine.model
     size = torch.empty((), dtype=engine.runner.dtype).element_size()
-    embed = model.get_input_embeddings().weight
+    embed = decoder_of(model).embed_tokens.weight
     total = sum(p.numel() for p in model.parameters() if p is not embed) + embed.shape[1]
     if getattr(model.config, "tie_word_embeddings", False):
         total += embed.numel()

@@ -29,7 +29,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -44,6 +44,9 @@ from .sampling import (
     process_logits,
     sample_from_probs,
 )
+
+if TYPE_CHECKING:
+    from .proposers.eagle import EagleHead
 
 METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle")
 Method = Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle"]
@@ -158,7 +161,7 @@ class RolloutEngine:
         model: nn.Module,
         speculative: SpeculativeConfig | None = None,
         draft_model: nn.Module | None = None,
-        eagle_head: nn.Module | None = None,
+        eagle_head: EagleHead | None = None,
         max_batch_size: int = 16,
         max_model_len: int | None = None,
         controller: Controller | None = None,
@@ -197,7 +200,7 @@ class RolloutEngine:
         self._step = 0
 
     # ---- proposers -----------------------------------------------------------------------------------------
-    def _build_proposer(self, name: str, draft_model: nn.Module | None, eagle_head: nn.Module | None) -> Proposer:
+    def _build_proposer(self, name: str, draft_model: nn.Module | None, eagle_head: EagleHead | None) -> Proposer:
         from . import proposers as P
 
         if name == "draft_model":
@@ -288,12 +291,12 @@ class RolloutEngine:
         self._any_raw: bool | None = None
         while queue or active:
             if queue and len(active) < self.max_batch_size:
-                joiners = []
+                joiners: list[_Seq] = []
                 while queue and len(active) + len(joiners) < self.max_batch_size:
                     i = queue.popleft()
-                    p = plist[i]
-                    gen = torch.Generator().manual_seed(p.seed if p.seed is not None else self._rng.getrandbits(63))
-                    joiners.append(_Seq(i, [int(t) for t in prompts[i]], len(prompts[i]), p, gen))
+                    sp = plist[i]
+                    gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else self._rng.getrandbits(63))
+                    joiners.append(_Seq(i, [int(t) for t in prompts[i]], len(prompts[i]), sp, gen))
                 self._prefill(active, joiners)
             else:
                 decision = self.controller.decide(len(active))

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .hf_layout import Attention, Decoder, config_of, output_embeddings
 from .kv_cache import StaticKVCache
 
 
@@ -150,7 +152,7 @@ def _ao_dynamic_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Mo
             lin.weight.copy_(weight)
             if bias is not None:
                 lin.bias.copy_(bias.detach().float())
-        lin.qconfig = per_channel_dynamic_qconfig
+        lin.qconfig = per_channel_dynamic_qconfig  # type: ignore[assignment]  # torch.ao's dynamic attribute
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.ao eager quantization is deprecated in favour of torchao
             return DynamicLinear.from_float(lin)
@@ -181,7 +183,7 @@ def _cat_bias(mods: list[nn.Linear]) -> torch.Tensor | None:
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
+def decoder_of(model: nn.Module) -> Decoder:
     """The base decoder (LlamaModel/Qwen2Model/Qwen3Model) of a *ForCausalLM."""
     inner = getattr(model, "model", None)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -197,19 +199,19 @@ class TransformerRunner:
 
     def __init__(self, model: nn.Module, int8: bool = False, max_positions: int | None = None,
                  dtype: str | torch.dtype | None = None) -> None:
-        self.model = model
+        self.model: nn.Module = model
         self.int8 = int8
         decoder_of(model)  # an unsupported architecture fails here, before any config field is read
-        cfg = model.config
+        cfg = config_of(model)
         layer_types = getattr(cfg, "layer_types", None) or []
         if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
             raise ValueError("model: sliding-window attention is not supported by the native engine")
         self.config = cfg
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.hidden_size = cfg.hidden_size
-        self.vocab_size = cfg.vocab_size
+        self.num_heads: int = cfg.num_attention_heads
+        self.num_kv_heads: int = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim: int = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = cfg.vocab_size
         self.eps = float(cfg.rms_norm_eps)
         dec = decoder_of(model)
         self.num_layers = len(dec.layers)
@@ -218,7 +220,8 @@ class TransformerRunner:
         self.device = param.device
         # int8 drafting keeps float32 activations on CPU: torch.ao's int8 GEMM is the fast kernel there.
         self.dtype = param.dtype if int8 else compute_dtype(dtype, param.dtype, param.device)
-        self.max_positions = int(max_positions or getattr(cfg, "max_position_embeddings", 2048))
+        config_positions: int = getattr(cfg, "max_position_embeddings", 2048)
+        self.max_positions = int(max_positions or config_positions)
         self._signature: tuple = ()
         self.refresh()
 
@@ -242,6 +245,10 @@ class TransformerRunner:
         dense = Int8Dense if self.int8 else Dense
         dec = decoder_of(self.model)
 
+        @overload
+        def c(t: torch.Tensor) -> torch.Tensor: ...
+        @overload
+        def c(t: torch.Tensor | None) -> torch.Tensor | None: ...
         def c(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().to(self.dtype)
 
@@ -265,7 +272,7 @@ class TransformerRunner:
         self.layers = layers
         self.embed = c(dec.embed_tokens.weight)
         self.final_norm = c(dec.norm.weight)
-        head = self.model.get_output_embeddings()
+        head = output_embeddings(self.model)
         self.lm_head = dense(c(head.weight), c(getattr(head, "bias", None)))
         rot = dec.rotary_emb
         inv_freq = rot.inv_freq.detach().to(self.device, torch.float32)
@@ -277,7 +284,7 @@ class TransformerRunner:
         self.sin_table = (emb.sin() * scale).to(self.dtype)
         self._signature = self._current_signature()
 
-    def _qk_norm(self, attn: nn.Module) -> torch.Tensor | None:
+    def _qk_norm(self, attn: Attention) -> torch.Tensor | None:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         if q_norm is None or k_norm is None:
             return None

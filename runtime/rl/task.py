@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -138,7 +139,11 @@ class SyntheticTask(Sequence[Problem]):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> Problem: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Problem]: ...
+    def __getitem__(self, i: int | slice) -> Problem | list[Problem]:
         return self.problems[i]
 
     def __iter__(self) -> Iterator[Problem]:

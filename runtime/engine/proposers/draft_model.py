@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..hf_layout import config_of
 from ..model_runner import TransformerRunner
 from ..sampling import process_logits, sample_from_probs
 from .base import DraftContext, Proposal, Proposer
@@ -31,8 +32,9 @@ class DraftModelProposer(Proposer):
         self.lens: list[int] = []
 
     def attach(self, engine: RolloutEngine) -> None:
-        if self.draft_model.config.vocab_size != engine.vocab_size:
-            raise ValueError(f"draft_model: vocab_size {self.draft_model.config.vocab_size} differs from the "
+        vocab_size = config_of(self.draft_model).vocab_size
+        if vocab_size != engine.vocab_size:
+            raise ValueError(f"draft_model: vocab_size {vocab_size} differs from the "
                              f"target's {engine.vocab_size}")
         self.runner = TransformerRunner(self.draft_model, int8=self.int8, max_positions=engine.cache_len,
                                         dtype=engine.runner.dtype)

@@ -22,12 +22,13 @@ target hidden states collected from rollouts (`target_features(target, tokens)`)
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..hf_layout import DecoderLayer, output_embeddings
 from ..model_runner import Dense, LayerWeights, TransformerRunner, decoder_of
 from ..sampling import process_logits, sample_from_probs
 from .base import DraftContext, Proposal, Proposer
@@ -61,6 +62,11 @@ class EagleHead(nn.Module):
             self.fc.weight.zero_()
             self.fc.weight[:, h:].copy_(torch.eye(h))
 
+    @property
+    def layer(self) -> DecoderLayer:
+        """The head's one decoder layer: the target architecture's own class (built in __init__)."""
+        return cast("DecoderLayer", self.layers[0])
+
     @classmethod
     def from_target(cls, target: nn.Module) -> EagleHead:
         p = next(target.parameters())
@@ -92,7 +98,7 @@ def eagle_loss(head: EagleHead, target: nn.Module, hidden: torch.Tensor, tokens:
     if tokens.shape[1] < 2:
         raise ValueError("tokens: need at least 2 positions to train the eagle head")
     embed = decoder_of(target).embed_tokens.weight.detach()
-    lm_head = target.get_output_embeddings().weight.detach()
+    lm_head = output_embeddings(target).weight.detach()
     pred = head(hidden[:, :-1], tokens[:, 1:], embed)
     goal = hidden[:, 1:].detach()
     reg = F.smooth_l1_loss(pred, goal, reduction="none").mean(-1)
@@ -139,7 +145,7 @@ class _EagleRunner(TransformerRunner):
         self.vocab_size = target_runner.vocab_size
         self.eps = float(cfg.rms_norm_eps)
         self.num_layers = 1
-        self.scaling = float(head.layers[0].self_attn.scaling)
+        self.scaling = float(head.layer.self_attn.scaling)
         self.device = target_runner.device
         self.dtype = target_runner.dtype
         self.max_positions = target_runner.max_positions
@@ -147,12 +153,16 @@ class _EagleRunner(TransformerRunner):
 
     @torch.no_grad()
     def refresh(self) -> None:
-        layer = self.head_module.layers[0]
+        layer = self.head_module.layer
         at, mlp = layer.self_attn, layer.mlp
         from ..model_runner import _cat_bias
 
         qkv = [at.q_proj, at.k_proj, at.v_proj]
 
+        @overload
+        def c(t: torch.Tensor) -> torch.Tensor: ...
+        @overload
+        def c(t: torch.Tensor | None) -> torch.Tensor | None: ...
         def c(t: torch.Tensor | None) -> torch.Tensor | None:  # the head runs in the target runner's dtype
             return None if t is None else t.detach().to(self.dtype)
 
@@ -273,7 +283,7 @@ def vllm_eagle_config(head: EagleHead) -> dict:
     unexpected ``.bias`` tensors).
     """
     cfg = head.config
-    attn = head.layers[0].self_attn
+    attn = head.layer.self_attn
     out = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -283,7 +293,7 @@ def vllm_eagle_config(head: EagleHead) -> dict:
         "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps, "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
         "attention_bias": attn.o_proj.bias is not None, "qkv_bias": attn.q_proj.bias is not None,
-        "mlp_bias": head.layers[0].mlp.gate_proj.bias is not None,
+        "mlp_bias": head.layer.mlp.gate_proj.bias is not None,
         "torch_dtype": str(head.fc.weight.dtype).removeprefix("torch."),
     }
     rope = getattr(cfg, "rope_parameters", None)

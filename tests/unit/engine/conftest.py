@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -21,10 +23,10 @@ def _one_intra_op_thread():
 
 
 def make_model(kind: str = "llama", layers: int = 2, hidden: int = 32, seed: int = 0, vocab: int = VOCAB,
-               head_std: float = 0.35, init: float = 0.2) -> torch.nn.Module:
+               head_std: float = 0.35, init: float = 0.2) -> LlamaForCausalLM | Qwen2ForCausalLM:
     """A random model whose next-token distributions are peaked and depend on the context."""
     torch.manual_seed(seed)
-    common = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+    common: dict[str, Any] = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
                   "initializer_range": init, "tie_word_embeddings": False}
     model = (Qwen2ForCausalLM(Qwen2Config(**common)) if kind == "qwen2" else LlamaForCausalLM(LlamaConfig(**common)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
 
@@ -20,11 +21,16 @@ def test_runner_all_hidden_matches_the_full_forward() -> None:
     torch.testing.assert_close(hidden, full_hidden)
 
 
-def test_eagle_prefill_never_materialises_per_position_logits() -> None:
+def test_eagle_prefill_never_materialises_per_position_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = RolloutEngine(make_model(), speculative=SpeculativeConfig(method="eagle", num_speculative_tokens=3))
     rows: list[int] = []
     head = engine.runner.lm_head
-    engine.runner.lm_head = lambda h: (rows.append(h.numel() // h.shape[-1]), head(h))[1]
+
+    def counting_head(h: torch.Tensor) -> torch.Tensor:
+        rows.append(h.numel() // h.shape[-1])
+        return head(h)
+
+    monkeypatch.setattr(engine.runner, "lm_head", counting_head)
     prompts = [[1 + i % 15 for i in range(30)], [1 + (3 * i) % 15 for i in range(20)]]  # 30- and 20-token prompts, batched in one prefill
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4, seed=0))
     assert all(len(o.token_ids) == 4 for o in outs)

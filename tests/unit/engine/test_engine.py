@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, TypedDict
+
 import numpy as np
 import pytest
 import torch
@@ -13,8 +15,18 @@ from specrl.runtime.engine import (
     StepRecord,
 )
 from specrl.runtime.engine.model_runner import TransformerRunner
+from specrl.runtime.engine.proposers import QuantizedSelfProposer
+from specrl.runtime.engine.proposers.eagle import EagleProposer
 
 from .conftest import VOCAB, make_model, reference_probs
+
+
+class Knobs(TypedDict):
+    """Sampling knobs shared by the engine's SamplingParams and the float64 reference."""
+
+    temperature: float
+    top_k: int
+    top_p: float
 
 PROPOSERS = ["draft_model", "ngram", "layer_skip", "quantized_self", "eagle"]
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 1, 2, 3], [5], [2, 2, 2, 2, 2, 2, 2], [9, 8, 7, 6, 5], [3, 1, 4, 1, 5, 9]]
@@ -47,7 +59,7 @@ def test_greedy_sd_equals_ar(kind: str, method: str, target, qwen_target, draft)
     ar_free = RolloutEngine(model, max_batch_size=4).generate(PROMPTS, plain)
     # A stop token that really occurs mid-way in some outputs (ragged finishes, both finish reasons).
     stop = ar_free[0].token_ids[5]
-    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=[stop], logprobs_mode="raw")
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(stop,), logprobs_mode="raw")
     ar = RolloutEngine(model, max_batch_size=4).generate(PROMPTS, params)
     engine = RolloutEngine(model, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
                            max_batch_size=4)
@@ -71,7 +83,7 @@ def _teacher_forced_logprobs(model, prompt, tokens, cfg) -> np.ndarray:
 @pytest.mark.parametrize("method", PROPOSERS)
 def test_sampled_logprobs_are_the_targets(method: str, target, draft) -> None:
     """SD logprobs equal the target's (processed) logprobs of the same tokens, as AR's do (within 1e-4)."""
-    cfg = {"temperature": 0.9, "top_k": 8, "top_p": 0.95}
+    cfg: Knobs = {"temperature": 0.9, "top_k": 8, "top_p": 0.95}
     params = [SamplingParams(max_new_tokens=12, seed=i, **cfg) for i in range(len(PROMPTS))]
     sd = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
                        max_batch_size=4).generate(PROMPTS, params)
@@ -88,7 +100,7 @@ def test_sampled_logprobs_are_the_targets(method: str, target, draft) -> None:
 
 def test_continuous_batching_and_per_request_seeds(target, draft) -> None:
     prompts = [[(i * 3 + j) % VOCAB for j in range(1 + i % 5)] for i in range(11)]
-    params = [SamplingParams(max_new_tokens=4 + (i * 7) % 13, seed=100 + i, stop_token_ids=[0]) for i in range(11)]
+    params = [SamplingParams(max_new_tokens=4 + (i * 7) % 13, seed=100 + i, stop_token_ids=(0,)) for i in range(11)]
     engine = RolloutEngine(target, max_batch_size=3)
     outs = engine.generate(prompts, params)
     assert [o.request_id for o in outs] == list(range(11))
@@ -157,7 +169,9 @@ def test_policy_update_refreshes_engine_and_drafters(target) -> None:
 
     def quantized_qkv() -> torch.Tensor:
         with torch.inference_mode():
-            return engine.proposers["quantized_self"].runner.layers[0].qkv(probe).clone()
+            proposer = engine.proposers["quantized_self"]
+            assert isinstance(proposer, QuantizedSelfProposer) and proposer.runner is not None
+            return proposer.runner.layers[0].qkv(probe).clone()
 
     before = quantized_qkv()
     engine.load_policy_state(new.state_dict())
@@ -179,7 +193,9 @@ def test_policy_update_refreshes_engine_and_drafters(target) -> None:
     with torch.no_grad():
         trained.fc.weight.fill_(0.25)
     engine.load_drafter_state(trained.state_dict(), method="eagle")
-    assert torch.allclose(engine.proposers["eagle"].runner.fc(torch.ones(1, trained.fc.in_features)),
+    eagle = engine.proposers["eagle"]
+    assert isinstance(eagle, EagleProposer)
+    assert torch.allclose(eagle.runner.fc(torch.ones(1, trained.fc.in_features)),
                        trained.fc(torch.ones(1, trained.fc.in_features)))
     with pytest.raises(ValueError, match="^method:"):
         engine.load_drafter_state({}, method="draft_model")
@@ -300,8 +316,8 @@ def test_ngram_lookup_matches_a_plain_scan() -> None:
 
 
 def test_mixed_logprob_modes_in_one_continuous_batch(target, draft) -> None:
-    cfg = {"temperature": 0.8, "top_k": 5, "top_p": 1.0}
-    modes = ["processed", "raw", "raw", "processed", "raw"]
+    cfg: Knobs = {"temperature": 0.8, "top_k": 5, "top_p": 1.0}
+    modes: list[Literal["processed", "raw"]] = ["processed", "raw", "raw", "processed", "raw"]
     params = [SamplingParams(max_new_tokens=6, seed=i, logprobs_mode=m, **cfg) for i, m in enumerate(modes)]
     for method in ("none", "draft_model"):
         outs = RolloutEngine(target, SpeculativeConfig(method=method), draft_model=draft,
