@@ -43,6 +43,7 @@ def runtime() -> Runtime:
 
 
 def _emit(body: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    # kopf types `objs` as its Body wrapper; any mapping with apiVersion, kind and metadata is what it reads
     kopf.event(body, type=type_, reason=reason, message=message[:1024])  # type: ignore[arg-type]
 
 

@@ -37,10 +37,12 @@ from . import metrics as m
 from .coordinator_client import CoordinatorClient, CoordinatorError, InvalidStatus
 from .kube import ApiError, KubeClient
 from .rebalance import (
+    ROLES,
     Allocation,
     LastMove,
     Move,
     PolicyConfig,
+    Role,
     Signals,
     Streak,
     decide,
@@ -426,7 +428,8 @@ async def reconcile(rt: Runtime, body: Mapping[str, Any], observed: Iterable[Pod
             pods = {p.name: p for p in observed}
             exp.apply(owner.name, pods, time.monotonic())
             local = copy.copy(rt)
-            local.kube = TrackingKube(rt.kube, exp)  # type: ignore[assignment]
+            # TrackingKube wraps create/delete and hands every other KubeClient method through __getattr__
+            local.kube = TrackingKube(rt.kube, exp)  # type: ignore[assignment]  # see above
             return await _reconcile(local, body, pods, trigger, owner, key, statics)
 
 
@@ -907,10 +910,11 @@ async def _finish_retired(rt: Runtime, job: RLJob, owner: children.Owner, st: di
     if victim is None:
         return False
     role = pods[victim].role
-    other = "rollout" if role == "trainer" else "trainer"
+    other: Role = "rollout" if role == "trainer" else "trainer"
     drained = victim in rt.drained.get(key, set())
-    if drained and cfg.enabled and room(Allocation(alloc["trainer"], alloc["rollout"]), cfg, role, other) > 0:
-        pending = actuator.plan(Move(role, other, 1, "RetiredWorker", victim,  # type: ignore[arg-type]
+    if drained and role in ROLES and cfg.enabled \
+            and room(Allocation(alloc["trainer"], alloc["rollout"]), cfg, role, other) > 0:
+        pending = actuator.plan(Move(role, other, 1, "RetiredWorker", victim,
                                      f"{victim} was retired by the coordinator outside a move"), owner, list(pods))
         if pending is not None and await _move(rt, job, owner, pending, st, writer, gen):
             _moved(owner, pods, alloc, st, pending)

@@ -89,7 +89,7 @@ def _factory_defaults(model: type[BaseModel]) -> dict[str, Any]:
     for name, field in model.model_fields.items():
         if field.default_factory is None:
             continue
-        value = field.default_factory()  # type: ignore[call-arg]
+        value = field.get_default(call_default_factory=True)
         alias = field.alias or name
         if isinstance(value, BaseModel):
             out[alias] = {}  # the server fills the nested defaults from the nested schema

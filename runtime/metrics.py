@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -315,7 +315,13 @@ WORKER_OWNED: dict[str, frozenset[str]] = {
 }
 
 
-def serve_own_metrics(worker: object, role: str) -> int | None:
+class MetricsOwner(Protocol):
+    """A worker actor that reports through its `metrics` (TrainerWorker, RolloutWorker)."""
+
+    metrics: RuntimeMetrics | None
+
+
+def serve_own_metrics(worker: MetricsOwner, role: str) -> int | None:
     """Run inside a worker actor's process (`actor.__ray_call__`): give it its own `RuntimeMetrics` (labels from
     the pod's environment) and serve them on `SPECRL_METRICS_PORT`. Returns the port, or None where the pod
     declares none (local runs) or it cannot be bound (then the coordinator keeps exporting for this worker)."""
@@ -334,7 +340,7 @@ def serve_own_metrics(worker: object, role: str) -> int | None:
     except OSError as exc:
         logging.getLogger(__name__).warning("cannot serve /metrics on port %s: %s", raw, exc)
         return None
-    worker.metrics = metrics  # type: ignore[attr-defined]
+    worker.metrics = metrics
     controller = getattr(getattr(worker, "engine", None), "controller", None)
     if controller is not None:
         controller.metrics = metrics

@@ -504,7 +504,7 @@ class SyncGroup:
                 opts._timeout = self.timeout
                 return nccl(prefix, rank, world_size, opts)
             # torch's stub calls it Options, which at runtime is Backend.Options; gloo's own class is _Options
-            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+            opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # see above
             opts._timeout = self.timeout
             opts._devices = [ProcessGroupGloo.create_device(hostname=self.device_host)]
             return ProcessGroupGloo(prefix, rank, world_size, opts)

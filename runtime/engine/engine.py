@@ -415,7 +415,7 @@ class RolloutEngine:
 
     def _sd_step(self, active: list[_Seq], decision: Decision) -> StepRecord:
         t0 = time.perf_counter()
-        proposer = self.proposers.get(decision.method)  # type: ignore[arg-type]
+        proposer = self.proposers.get(decision.method) if decision.method is not None else None
         if proposer is None:
             raise ValueError(f"controller: method {decision.method!r} is not one of the engine's proposers "
                              f"{sorted(self.proposers)}")

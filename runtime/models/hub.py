@@ -251,8 +251,8 @@ def load_causal_lm(name: str | Path, dtype: Any = "float32", device: Any = "cpu"
     path = resolve_model(name, revision, field=field)
     check_architecture(path, field=field)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
-    # transformers wraps PreTrainedModel.to with functools.wraps, and typeshed's _Wrapped does not bind `self`
-    model.to(torch.device(device))  # type: ignore[arg-type]
+    # transformers wraps PreTrainedModel.to with functools.wraps; typeshed's _Wrapped does not bind `self`
+    model.to(torch.device(device))  # type: ignore[arg-type]  # see above
     model.eval()
     return model
 

@@ -94,13 +94,14 @@ class SafeReward:
     def _call(self, prompt: str, completion: str, answer: str) -> object:
         if self.timeout_s is None:
             return self.fn(prompt, completion, answer)
-        box: dict[str, object] = {}
+        value: list[object] = []
+        error: list[BaseException] = []
 
         def run() -> None:
             try:
-                box["value"] = self.fn(prompt, completion, answer)
+                value.append(self.fn(prompt, completion, answer))
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = exc
+                error.append(exc)
 
         t = threading.Thread(target=run, name="specrl-reward", daemon=True)
         t.start()
@@ -109,9 +110,9 @@ class SafeReward:
             with self._lock:
                 self.timeouts += 1
             raise TimeoutError(f"took longer than {self.timeout_s:g}s")
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        return box.get("value")
+        if error:
+            raise error[0]
+        return value[0] if value else None
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
         with self._lock:

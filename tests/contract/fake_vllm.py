@@ -204,14 +204,16 @@ def install(monkeypatch: Any) -> types.ModuleType:
     modules = {name: types.ModuleType(name) for name in (
         "vllm", "vllm.config", "vllm.distributed", "vllm.distributed.weight_transfer",
         "vllm.distributed.weight_transfer.nccl_common", "vllm.distributed.weight_transfer.packed_tensor")}
+    contents: dict[str, dict[str, Any]] = {
+        "vllm": {"LLM": LLM, "SamplingParams": SamplingParams, "config": modules["vllm.config"]},
+        "vllm.config": {"WeightTransferConfig": WeightTransferConfig},
+        "vllm.distributed.weight_transfer.nccl_common": {"trainer_init": trainer_init},
+        "vllm.distributed.weight_transfer.packed_tensor": {
+            "packed_nccl_broadcast_producer": packed_nccl_broadcast_producer},
+    }
+    for name, attrs in contents.items():
+        vars(modules[name]).update(attrs)
     vllm = modules["vllm"]
-    vllm.LLM = LLM  # type: ignore[attr-defined]
-    vllm.SamplingParams = SamplingParams  # type: ignore[attr-defined]
-    vllm.config = modules["vllm.config"]  # type: ignore[attr-defined]
-    modules["vllm.config"].WeightTransferConfig = WeightTransferConfig  # type: ignore[attr-defined]
-    modules["vllm.distributed.weight_transfer.nccl_common"].trainer_init = trainer_init  # type: ignore[attr-defined]
-    modules["vllm.distributed.weight_transfer.packed_tensor"].packed_nccl_broadcast_producer = (  # type: ignore
-        packed_nccl_broadcast_producer)
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     return vllm

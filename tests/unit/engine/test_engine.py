@@ -233,7 +233,7 @@ def test_bad_requests_name_the_problem(target) -> None:
         ("abc", ok, "prompts"),
     ]:
         with pytest.raises(ValueError, match=pattern):
-            engine.generate(prompts, params)  # type: ignore[arg-type]
+            engine.generate(prompts, params)  # type: ignore[arg-type]  # bad input on purpose
     assert engine.stats.generated_tokens == 0  # nothing ran: no partial state
     with pytest.raises(ValueError, match="^method:"):
         SpeculativeConfig(method="medusa")

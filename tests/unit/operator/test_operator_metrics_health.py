@@ -71,7 +71,7 @@ async def test_api_requests_by_verb_and_code() -> None:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     kube = KubeClient(SimpleNamespace(server=f"http://127.0.0.1:{port}"))
     ok = _value("specrl_operator_api_requests_total", verb="create", code="201")
     denied = _value("specrl_operator_api_requests_total", verb="delete", code="403")

@@ -150,7 +150,7 @@ def test_bad_input_names_the_tensor() -> None:
     with pytest.raises(SyncError, match="'c'.*complex"):
         plan_layout({"a": torch.ones(2), "c": torch.ones(2, dtype=torch.complex64)}, 1024)
     with pytest.raises(SyncError, match="'x' is a list"):
-        plan_layout({"x": [1, 2]}, 1024)  # type: ignore[dict-item]
+        plan_layout({"x": [1, 2]}, 1024)  # type: ignore[dict-item]  # bad input on purpose
     with pytest.raises(SyncError, match="at least 64"):
         plan_layout({"a": torch.ones(2)}, 16)
 
