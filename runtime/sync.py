@@ -69,7 +69,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -330,7 +330,8 @@ def flat_source(layout: Layout, sources: Sequence[torch.Tensor]) -> torch.Tensor
     return torch.empty(0, dtype=torch.uint8, device=srcs[0].device).set_(storage, start, (layout.total_bytes,), (1,))
 
 
-def _overlapping(metas: Sequence[TensorMeta], sources: Sequence[torch.Tensor], lo: int, hi: int):
+def _overlapping(metas: Sequence[TensorMeta], sources: Sequence[torch.Tensor], lo: int, hi: int
+                 ) -> Iterator[tuple[TensorMeta, torch.Tensor]]:
     # Entries are sorted by offset; a binary search keeps this O(log n + hits) per bucket.
     left, right = 0, len(metas)
     while left < right:

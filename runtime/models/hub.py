@@ -29,6 +29,7 @@ from ..paths import cache_dir
 from .bootstrap import BUILD_INFO, ModelNotFoundError, build_atomically
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
 # Architectures the native engine (engine/model_runner.py) and the trainer run.
@@ -219,7 +220,7 @@ def _convert_into(out: Path, gguf: Path, name: str, field: str) -> None:
 # -- loading --------------------------------------------------------------------------------------------
 
 
-def parse_dtype(dtype: Any, *, field: str = "model.dtype"):
+def parse_dtype(dtype: Any, *, field: str = "model.dtype") -> torch.dtype:
     import torch
 
     if isinstance(dtype, torch.dtype):
