@@ -199,7 +199,7 @@ class TransformerRunner:
 
     def __init__(self, model: nn.Module, int8: bool = False, max_positions: int | None = None,
                  dtype: str | torch.dtype | None = None) -> None:
-        self.model: nn.Module = model
+        self.model = model
         self.int8 = int8
         decoder_of(model)  # an unsupported architecture fails here, before any config field is read
         cfg = config_of(model)
