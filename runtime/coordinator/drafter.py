@@ -36,7 +36,11 @@ class DrafterScheduler:
         idle = self.rollouts.idle()
         self._t0 = time.perf_counter()
         if idle and self.sh.settings.mode == "sync":
-            state = ray.get(self.trainers.first().drafter_state.remote())
+            try:
+                state = ray.get(self.trainers.first().drafter_state.remote())
+            except Exception as exc:  # noqa: BLE001 - rank 0 died: the step's training recovers the trainers
+                log.warning("no drafter round this step: trainer rank 0 is unreachable (%s)", type(exc).__name__)
+                return
             if state is not None:
                 ref = self.rollouts.actors[idle[0]].train_drafter.remote(state, seqs, lens, max_steps, deadline_s)
                 self._running = (ref, idle[0])
@@ -57,7 +61,11 @@ class DrafterScheduler:
             log.warning("drafter training on %s failed (%s); keeping the previous drafter", where, exc)
             out = {"steps": 0, "loss": float("nan")}
         if "state" in out:  # trained on a rollout worker: the master copy goes back to trainer rank 0
-            ray.get(self.trainers.first().load_drafter_state.remote(out["state"]))
+            try:
+                ray.get(self.trainers.first().load_drafter_state.remote(out["state"]))
+            except Exception as exc:  # noqa: BLE001 - rank 0 died: the round is lost with it
+                log.warning("drafter round lost: trainer rank 0 is unreachable (%s)", type(exc).__name__)
+                out = {"steps": 0, "loss": float("nan")}
         if out["steps"]:
             role = "trainer" if where in self.trainers.actors else "rollout"
             self.sh.series.of(where, role).drafter_train_steps.inc(out["steps"])

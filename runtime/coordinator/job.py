@@ -40,12 +40,24 @@ from .drafter import DrafterScheduler
 from .membership import joiners, members_from_nodes
 from .placement import Placement
 from .records import StepTimes, WorkerSeries, build_record
+from .recovery import Action, Recovery, plan_recovery
 from .rollouts import RolloutPool
 from .shared import Shared
 from .trainers import TrainerGroup, training_batch
 from .weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
+
+RECOVERY_ATTEMPTS = 3  # trainer recoveries in a row within one step before the job gives up
+REPLACEMENT_WAIT_S = 600.0  # how long a job with no trainer left waits for a recreated trainer pod
+
+
+class RolledBack(Exception):
+    """The job went back to a checkpoint (every trainer was lost): the step in progress is abandoned."""
+
+
+class TrainerLost(RuntimeError):
+    """Trainers died and the job cannot recover (see recovery.plan_recovery for why)."""
 
 
 class JobCoordinator:
@@ -80,6 +92,7 @@ class JobCoordinator:
         self.reward_mean: float | None = None
         self.trainer_backlog = 0
         self.history: list[dict] = []
+        self.recoveries: list[dict] = []  # one entry per trainer recovery: step, action, lost trainers, source
         self._resume_from = resume_from
         train, _ = load_problem_split(settings)
         self.dataset_size = len(train)
@@ -135,6 +148,9 @@ class JobCoordinator:
                 "tokensPerSecond": round(self.pool.tokens_per_s, 3), "acceptanceLength": self.pool.last_acceptance,
                 "specDecodeEnabled": self.sd_enabled, "rewardMean": self.reward_mean,
                 "workers": self.table.as_status(), "complete": self.complete,
+                "ledger": {"issued": self.ledger.issued, "trained": len(self.ledger.trained),
+                           "dropped": len(self.ledger.dropped), "lost": self.ledger.lost()},
+                "trainerRecoveries": list(self.recoveries),
                 # where the last step's time went: the operator's rebalance policy balances roles on it
                 "lastStep": ({"rolloutSeconds": round(last["rollout_seconds"], 3),
                               "longTailSeconds": round(last["long_tail_seconds"], 3),
@@ -189,7 +205,7 @@ class JobCoordinator:
             self.pool.add(name, node_id=node_id)
             self.weight_sync.sync(self.weight_version)
             return
-        state = ray.get(self.trainer_group.first().sync_state.remote())
+        state = self._with_trainers(lambda: ray.get(self.trainer_group.first().sync_state.remote()))
         self.pool.add(name, (state, self.weight_version), node_id)
 
     def add_trainer_worker(self, name: str, node_id: str | None = None) -> None:
@@ -206,6 +222,8 @@ class JobCoordinator:
 
         for m in joiners(members_from_nodes(ray.nodes(), self.settings.job), self.table):
             if m.role == "rollout":
+                if not self.trainer_group.actors:
+                    continue  # it gets its weights from a trainer: it joins once one is back
                 log.info("rollout worker %s joined (node %s)", m.name, m.node_id)
                 self.add_rollout_worker(m.name, m.node_id)
             elif m.name not in self.trainer_group.pending:
@@ -243,7 +261,15 @@ class JobCoordinator:
             self.phase = phase
 
     def run_step(self) -> dict:
-        """Run one RL step to completion (rollouts, drafter, training, sync); returns its record."""
+        """Run one RL step to completion (rollouts, drafter, training, sync); returns its record. When every
+        trainer was lost and the job went back to a checkpoint, the step run is the one after it."""
+        while True:
+            try:
+                return self._run_step()
+            except RolledBack:
+                continue
+
+    def _run_step(self) -> dict:
         s = self.settings
         step = self.step
         t_step = time.perf_counter()
@@ -280,8 +306,8 @@ class JobCoordinator:
         # weight sync (policy + drafter, one packed stream); trainer membership changes at this boundary
         self._set_phase(Phase.SYNCING)
         self._handle_drains_and_joins()
-        self.trainer_group.regroup()
-        sync_info = self.weight_sync.sync(step + 1)
+        self._with_trainers(self.trainer_group.regroup)
+        sync_info = self._with_trainers(lambda: self.weight_sync.sync(step + 1))
 
         rec = self._record(step, samples, train_out, StepTimes(rollout_s, tail_s, train_s,
                                                                time.perf_counter() - t_step),
@@ -297,7 +323,8 @@ class JobCoordinator:
             self.phase = Phase.ROLLOUT
         self.pool.close_step(step)
         if s.checkpoint_dir and s.checkpoint_interval and (step + 1) % s.checkpoint_interval == 0:
-            self.save_checkpoint(str(checkpoints.checkpoint_path(s.checkpoint_dir, step + 1)))
+            path = str(checkpoints.checkpoint_path(s.checkpoint_dir, step + 1))
+            self._with_trainers(lambda: self.save_checkpoint(path))
         return rec
 
     def _rollouts(self, step: int) -> tuple[float, float]:
@@ -330,16 +357,94 @@ class JobCoordinator:
         return end - t0, end - tail_start if tail_start is not None else 0.0
 
     def _train(self, step: int, samples: list[dict]) -> list[dict]:
+        """The GRPO update on every trainer rank. A trainer that dies meanwhile is dropped and the group reformed
+        (recovery.py): the step is trained again on the same samples, or counts as trained when the survivors
+        already applied it, or the job goes back to a checkpoint (RolledBack)."""
         import ray
 
-        refs = self.trainer_group.start_training(step, samples)
-        if self.settings.mode == "async":
-            # Rollouts for the next steps keep running on the old weights while the trainers work.
-            while len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
-                self._handle_drains_and_joins()
-                self.pool.dispatch()
-                self.pool.wait(timeout=0.1)
-        return ray.get(refs)
+        for _attempt in range(RECOVERY_ATTEMPTS):
+            refs = self.trainer_group.start_training(step, samples)
+            try:
+                if self.settings.mode == "async":
+                    # Rollouts for the next steps keep running on the old weights while the trainers work.
+                    while len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+                        self._handle_drains_and_joins()
+                        self.pool.dispatch()
+                        self.pool.wait(timeout=0.1)
+                return ray.get(refs)
+            except Exception as exc:  # noqa: BLE001 - a trainer death is recovered; anything else is re-raised
+                # The survivors' all-reduce with a dead peer fails fast (its socket closed): let them all return.
+                ray.wait(refs, num_returns=len(refs), timeout=60.0)
+                plan = self._recover_trainers(exc)
+                if plan.action == Action.APPLIED:
+                    return [out for out in (_result_or_none(r) for r in refs) if out is not None]
+        raise TrainerLost(f"step {step}: trainers kept dying ({RECOVERY_ATTEMPTS} recoveries in a row)")
+
+    def _with_trainers(self, call):
+        """`call()`, and again after a trainer recovery if it failed because a trainer died."""
+        for _attempt in range(RECOVERY_ATTEMPTS):
+            try:
+                return call()
+            except RolledBack:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a trainer death is recovered; anything else is re-raised
+                self._recover_trainers(exc)
+        return call()
+
+    def _recover_trainers(self, cause: BaseException) -> Recovery:
+        """After `cause`: drop the dead trainers and reseed the group (recovery.py). Re-raises `cause` when every
+        trainer is alive (it was not a trainer death); raises RolledBack after going back to a checkpoint and
+        TrainerLost when there is nothing to recover from."""
+        tg, s = self.trainer_group, self.settings
+        health = tg.health()
+        dead = [h.name for h in health if not h.alive]
+        if not dead:
+            raise cause
+        log.warning("trainer(s) %s died (%s); recovering", ", ".join(dead), str(cause).splitlines()[0][:200])
+        tg.drop(dead)
+        if not self.placement.cluster:
+            for name in dead:  # locally nothing recreates a pod: a new actor takes the dead one's place
+                tg.request_join(name)
+        elif tg.actors:
+            self._discover_joins()  # a recreated pod may be there already
+        alive = [h for h in health if h.alive]
+        # with no trainer left to look at the volume, the plan decides on where checkpoints would be
+        where = (checkpoints.find_latest(tg.actors[alive[0].name], s.checkpoint_dir) if alive
+                 else (s.checkpoint_dir or None))
+        plan = plan_recovery(health, self.weight_version, where, list(tg.pending))
+        formed = False
+        if plan.action in (Action.WAIT, Action.RESTORE) and not alive:
+            if plan.action == Action.WAIT:
+                self._wait_for_trainer(plan.reason)
+            tg.reform(None, None)
+            formed = True
+            plan = plan_recovery(health, self.weight_version,
+                                 checkpoints.find_latest(tg.first(), s.checkpoint_dir), list(tg.actors))
+        log.warning("trainer recovery: %s (%s)", plan.action.value, plan.reason)
+        with self.lock:
+            self.recoveries.append({"step": self.step, "action": plan.action.value, "lost": list(plan.dead),
+                                    "source": plan.source, "reason": plan.reason})
+        if plan.action == Action.FAIL:
+            raise TrainerLost(plan.reason)
+        if plan.action in (Action.CONTINUE, Action.APPLIED):
+            tg.reform(tg.state_of(plan.source), plan.source)  # type: ignore[arg-type]
+            return plan
+        if not formed:
+            tg.reform(None, None)
+        self._restore(plan.source)  # type: ignore[arg-type]
+        self.weight_sync.sync(self.weight_version)
+        raise RolledBack(plan.source)
+
+    def _wait_for_trainer(self, why: str) -> None:
+        """No trainer is left: wait (bounded) until one joins (the operator recreates the pod)."""
+        log.warning("%s", why)
+        deadline = time.monotonic() + REPLACEMENT_WAIT_S
+        while not self.trainer_group.pending:
+            if time.monotonic() > deadline:
+                raise TrainerLost(f"{why}: no trainer joined within {REPLACEMENT_WAIT_S:g}s")
+            if self.placement.cluster:
+                self._discover_joins()
+            time.sleep(1.0)
 
     def _record(self, step: int, samples: list[dict], train_out: list[dict], times: StepTimes, sync_info: dict,
                 drafter_info: dict, overlap_chunks: int) -> dict:
@@ -375,6 +480,7 @@ class JobCoordinator:
             self.history = list(cursor.get("history", []))
             self.pool.results.clear()
             self.pool.chunk_stats.clear()
+            self.pool.in_flight.clear()  # chunks of the abandoned timeline (async mode) are not taken back in
             # Steps already queued before the checkpoint keep their prompts (they sit in the ledger's queue).
             for it in self.ledger.queue:
                 self.pool.open_step(it.step)
@@ -435,3 +541,12 @@ class JobCoordinator:
             self.phase = Phase.FAILED
             self.failed = message
 
+
+
+def _result_or_none(ref) -> dict | None:
+    import ray
+
+    try:
+        return ray.get(ref, timeout=0)
+    except Exception:  # noqa: BLE001 - the dead rank's result
+        return None

@@ -11,9 +11,16 @@ from typing import Any
 
 from ..scheduling import LedgerError, split_even
 from .placement import Placement, kill_actors, serve_metrics_from
+from .recovery import TrainerHealth
 from .shared import Shared
 
 log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+
+
+def _first_line(exc: BaseException) -> str:
+    return (f"{type(exc).__name__}: {exc}".strip().splitlines() or [""])[0][:300]
 
 
 def training_batch(samples: list[dict], group_size: int) -> list[dict]:
@@ -83,16 +90,14 @@ class TrainerGroup:
 
         with self.sh.lock:
             draining = [n for n in self.sh.table.draining("trainer") if n in self.actors]
-            joining = dict(self.pending)
-            self.pending.clear()
-        if not draining and not joining:
+        if not draining and not self.pending:
             return
         keep = [n for n in self.actors if n not in draining]
-        if not keep and not joining:
+        if not keep and not self.pending:
             log.warning("not retiring %s: it is the last trainer", draining[-1])
             draining, keep = draining[:-1], [draining[-1]]
-        source = self.actors[keep[0]] if keep else self.first()
-        state = ray.get(source.export_state.remote())
+        source = keep[0] if keep else next(iter(self.actors))
+        state = ray.get(self.actors[source].export_state.remote())
         if self.actors and next(iter(self.actors)) in draining and "drafter" not in state:
             state = {**state, **{k: v for k, v in ray.get(self.first().export_state.remote()).items()
                                  if k == "drafter"}}
@@ -102,14 +107,70 @@ class TrainerGroup:
                 self.sh.table.retire(name)
             log.info("trainer %s retired (drained)", name)
             self.sh.series.drop(name)
+        self.reform(state, source if source in self.actors else None)
+
+    def reform(self, state: dict[str, Any] | None, source: str | None) -> None:
+        """Spawn the pending joiners and form one new data-parallel group over every trainer; every member but
+        `source` (whose state `state` is) then copies `state`. `state` None: the caller loads a checkpoint."""
+        import ray
+
+        kept = set(self.actors)
+        joining = dict(self.pending)
+        self.pending.clear()
         for name, node_id in joining.items():
             self._spawn(name, len(self.actors), len(self.actors) + 1, node_id)
         names = list(self.actors)
-        ray.get([self.actors[n].close_sync_group.remote() for n in names if n in keep])
+        if not names:
+            raise RuntimeError("no trainer left to form the data-parallel group")
+        ray.get([self.actors[n].close_sync_group.remote() for n in names if n in kept])
         host, port = ray.get(self.actors[names[0]].node_address.remote())
         ray.get([self.actors[n].regroup.remote(rank, len(names), host, port) for rank, n in enumerate(names)])
-        ray.get([self.actors[n].import_state.remote(state) for n in names if n not in keep or n == names[0]])
+        if state is not None:
+            # rank 0 too when it is not the source: it holds the drafter master copy the state carries
+            ray.get([self.actors[n].import_state.remote(state) for n in names if n != source or n == names[0]])
         self.generation += 1
+
+    # -- trainer death (recovery.py decides, these act) ---------------------------------------------------
+
+    def health(self, timeout_s: float = HEALTH_TIMEOUT_S) -> list[TrainerHealth]:
+        """Every trainer's health; one that does not answer within `timeout_s` counts as dead."""
+        import ray
+
+        refs = {n: a.health.remote() for n, a in self.actors.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        out = []
+        for name, ref in refs.items():
+            try:
+                if ref not in ready:
+                    raise TimeoutError(f"no answer within {timeout_s:g}s")
+                h = ray.get(ref)
+                out.append(TrainerHealth(name, True, int(h["weight_version"]), bool(h["torn"])))
+            except Exception as exc:  # noqa: BLE001 - dead, hung or unreachable: lost
+                log.warning("trainer %s is lost: %s", name, _first_line(exc))
+                out.append(TrainerHealth(name, False))
+        return out
+
+    def drop(self, names: list[str]) -> None:
+        """Forget dead trainers: their actors are killed (in case one is only hung) and their identities retired,
+        so only a new pod (or, locally, a respawned actor) takes their place."""
+        import ray
+
+        for name in names:
+            actor = self.actors.pop(name, None)
+            if actor is not None:
+                try:
+                    ray.kill(actor)
+                except Exception as exc:  # noqa: BLE001 - it is dead already
+                    log.debug("kill %s: %s", name, exc)
+            with self.sh.lock:
+                self.sh.table.retire(name)
+            self.sh.series.drop(name)
+            log.warning("trainer %s dropped from the group", name)
+
+    def state_of(self, name: str) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.actors[name].export_state.remote())
 
     def start_training(self, step: int, samples: list[dict]) -> list:
         """Split the step's groups evenly over the ranks and start one GRPO update on each (Ray refs)."""

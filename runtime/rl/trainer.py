@@ -239,6 +239,7 @@ class TrainerWorker:
 
             self.drafter = DrafterTrainer.from_settings(settings, self.device)
         self._dp_ready = False
+        self.torn = False  # an RL step's update stopped after some but not all of its optimizer steps
         self.metrics = metrics
         self._sync_group: SyncGroup | None = None
         self._sender: WeightSender | None = None
@@ -293,6 +294,7 @@ class TrainerWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.weight_version = int(state["step"]), int(state["weight_version"])
+        self.torn = False
         if "drafter" in state and self.drafter is not None:
             self.drafter.load_state_dict(state["drafter"])
         return True
@@ -354,7 +356,11 @@ class TrainerWorker:
                     stats["tokens"] += w
                 self._all_reduce_grads()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)))
+                # Set before the step: if a later all-reduce of this RL step fails (a peer died), these weights
+                # are neither version `step` nor `step + 1` (coordinator/recovery.py).
+                self.torn = True
                 self.optimizer.step()
+        self.torn = False
         self.step = step + 1
         self.weight_version = step + 1
         n = max(1, stats["tokens"])
@@ -526,6 +532,7 @@ class TrainerWorker:
         self.optimizer.load_state_dict(payload["optimizer"])
         self.step = int(payload["step"])
         self.weight_version = int(payload["weight_version"])
+        self.torn = False
         if self.drafter is not None and "drafter" in payload and (d / DRAFTER_DIR).is_dir():
             self.drafter.load_state_dict({**payload["drafter"],
                                           "model": load_hf_weights(d / DRAFTER_DIR, self.drafter.model)})
@@ -536,3 +543,7 @@ class TrainerWorker:
 
     def ping(self) -> str:
         return self.name
+
+    def health(self) -> dict[str, Any]:
+        """What the coordinator's trainer recovery needs: the version held and whether an update was cut off."""
+        return {"name": self.name, "weight_version": self.weight_version, "torn": self.torn}

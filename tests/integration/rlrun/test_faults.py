@@ -261,3 +261,73 @@ def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, 
         assert rep["lost"] == 0 and rep["trained"] == rep["issued"] == 16 * s.prompts_per_step
     finally:
         coord.shutdown()
+
+
+def _die_in_next_all_reduce(self) -> bool:
+    """Make this trainer's process exit inside its next gradient all-reduce (mid-step: its peer is in it too)."""
+
+    def die() -> None:
+        os._exit(1)
+
+    self._all_reduce_grads = die
+    return True
+
+
+def _exactly_once(coord: JobCoordinator, steps: int) -> None:
+    rep = coord.ledger_report()
+    assert rep["lost"] == 0 and rep["dropped"] == 0
+    assert rep["trained"] == steps * coord.settings.prompts_per_step == len(set(rep["trained_ids"]))
+    assert [r["step"] for r in coord.history] == list(range(steps))
+
+
+def test_a_trainer_that_dies_mid_step_is_replaced_and_the_step_trained_again(local_ray, micro):
+    """Trainer rank 0 (the weight sender, the drafter's holder) exits inside the all-reduce of step 1: rank 1's
+    all-reduce fails with it, both return, rank 1 (still on version 1) reseeds a new group with a respawned
+    trainer-0, step 1 is trained again on the same samples, and the job completes: every prompt trained once."""
+    import ray
+    from micro import micro_settings
+
+    s = micro_settings(steps=3, trainers=2, rollouts=1, drafter_training=False)
+    coord = JobCoordinator(s)
+    try:
+        coord.start()
+        coord.run_step()
+        old = coord.trainers[f"{s.job}-trainer-0"]
+        ray.get(old.__ray_call__.remote(_die_in_next_all_reduce))
+        coord.run()
+        _exactly_once(coord, 3)
+        ((rec,),) = [coord.status()["trainerRecoveries"]]
+        assert (rec["step"], rec["action"], rec["lost"], rec["source"]) == (
+            1, "continue", [f"{s.job}-trainer-0"], f"{s.job}-trainer-1")
+        assert sorted(coord.trainers) == [f"{s.job}-trainer-0", f"{s.job}-trainer-1"]
+        assert coord.trainers[f"{s.job}-trainer-0"] is not old
+        digests = ray.get([a.digest.remote() for a in coord.trainers.values()])
+        assert len(set(digests)) == 1  # the new member copied the group's weights
+        assert coord.status()["weightVersion"] == 3
+    finally:
+        coord.shutdown()
+
+
+def test_the_last_trainer_dying_rolls_the_job_back_to_its_checkpoint(local_ray, micro, tmp_path):
+    """The only trainer's process is SIGKILLed after step 2 (checkpoint every 2 steps): there is no survivor, so
+    a new trainer loads the newest complete checkpoint, the ledger goes back with it, and steps 2.. run again;
+    the job completes with every prompt trained once in the ledger."""
+    from micro import micro_settings
+
+    s = micro_settings(steps=4, trainers=1, rollouts=1, drafter_training=False, checkpoint_dir=str(tmp_path),
+                       checkpoint_interval=2)
+    coord = JobCoordinator(s)
+    try:
+        coord.start()
+        coord.run_step()
+        coord.run_step()
+        coord.run_step()  # step 2 trained, not checkpointed: it is lost with the trainer
+        os.kill(_pid(coord.trainers[f"{s.job}-trainer-0"]), signal.SIGKILL)
+        coord.run()
+        _exactly_once(coord, 4)
+        ((rec,),) = [coord.status()["trainerRecoveries"]]
+        assert (rec["step"], rec["action"], rec["lost"]) == (3, "restore", [f"{s.job}-trainer-0"])
+        assert rec["source"].endswith("step-000002")
+        assert coord.status()["weightVersion"] == 4
+    finally:
+        coord.shutdown()
