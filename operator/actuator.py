@@ -20,7 +20,7 @@ from typing import Any
 
 from . import children
 from . import metrics as m
-from .coordinator_client import CoordinatorClient, CoordinatorError
+from .coordinator_client import CoordinatorClient, CoordinatorError, DrainRejected
 from .kube import ApiError, KubeClient
 from .rebalance import Move, pick_victim
 from .status import now_iso, set_condition
@@ -121,11 +121,13 @@ async def execute(
         token = await read_token(kube, owner, known_token, job)
         state = await coord.drain(owner.namespace, owner.name, pending.victim, token)
     except CoordinatorError as exc:
-        # The victim keeps running; the move is abandoned and may be chosen again later.
+        # The victim keeps running; the move is abandoned and may be chosen again later. A refusal (409) is the
+        # coordinator's decision, with its reason (e.g. the last worker of a role), not a failure to reach it.
         status["pendingMove"] = None
-        set_condition(status, "Rebalancing", False, "DrainFailed", str(exc), now(), generation)
+        reason = "DrainRejected" if isinstance(exc, DrainRejected) and exc.status == 409 else "DrainFailed"
+        set_condition(status, "Rebalancing", False, reason, str(exc), now(), generation)
         await persist(status)
-        emit("Warning", "DrainFailed", str(exc))
+        emit("Warning", reason, str(exc))
         return False
     if state != "gone":
         retired = await wait_retired(coord, owner, pending.victim, drain_timeout, drain_poll)

@@ -13,6 +13,7 @@ A response that fails validation raises :class:`InvalidStatus`, handled like an 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,16 @@ class CoordinatorStatus(_Doc):
             raise InvalidStatus(f"{where}: invalid status: {path}: {err['msg']} "
                                 f"(got {str(err.get('input'))[:40]!r})") from None
         return doc.model_dump(by_alias=True)
+
+
+def _error_of(body: str) -> str:
+    """The coordinator's reason from an error body (`{"error": "..."}`), one bounded line; else ""."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return ""
+    err = data.get("error") if isinstance(data, dict) else None
+    return " ".join(str(err).split())[:300] if err else ""
 
 
 class DrainRejected(CoordinatorError):
@@ -166,7 +177,8 @@ class CoordinatorClient:
                 if resp.status == 401:
                     raise DrainRejected(401, f"POST {url}: coordinator rejected the job's token (401)")
                 if resp.status not in (200, 202):
-                    raise DrainRejected(resp.status, f"POST {url} -> HTTP {resp.status}")
+                    why = _error_of(await resp.text())
+                    raise DrainRejected(resp.status, f"POST {url} -> HTTP {resp.status}" + (f": {why}" if why else ""))
                 data = await resp.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise CoordinatorError(f"POST {url}: {type(exc).__name__}: {exc}") from exc

@@ -42,6 +42,9 @@ class WeightSync:
         self.epoch += 1
         self._built_for = None  # until every member joined
         trainer = self.trainers.first()
+        # The sender's old store goes first: on a fixed port (the pod's declared sync port) a receiver that dials
+        # while it still listens joins the old group, loses it a moment later, and the new one never fills.
+        _get([trainer.close_sync_group.remote()], self.sh.settings.sync_timeout_s)
         host, port = ray.get(trainer.sync_address.remote())
         world = len(receivers) + 1
         refs = [trainer.open_sync_group.remote(host, port, world, self.epoch)]

@@ -10,9 +10,15 @@ operator from the coordinator's real `GET /status` and executed against the coor
 
 Stages, each checked through `kubectl get rlj` (its printer columns) and the pods:
 1. apply a CPU job with elasticity on (2 trainers, 1 rollout worker): four pods Running, the job Running;
-2. the rollout queue backs up, the operator moves a trainer to rollout: drain, retire, delete, create, join;
-3. the last trainer's process is killed: the pod fails, the operator recreates it, it rejoins;
-4. the job reaches Complete with every step's prompts trained on exactly once.
+2. the rollout queue backs up, the operator moves a trainer to rollout: drain, retire, delete, create, join, and
+   the new rollout worker completes chunks;
+3. the last trainer's process is killed: the pod fails, the operator recreates it; the coordinator, with no
+   trainer left, waits for it, loads the newest complete checkpoint from the shared checkpoint volume into it
+   and rolls the job back to that checkpoint (coordinator/recovery.py);
+4. the job reaches Complete with every step's prompts trained on exactly once (the coordinator's ledger).
+
+The job is paced by its size: enough real steps that both events fit inside it on this machine under load. Every
+wait fails at once, naming the stage, when the job completes or fails before the event it waits for.
 
 Pod logs stay in a folder printed at the start (and kept after the test); `make e2e` runs this test alone.
 """
@@ -46,8 +52,9 @@ from tests.kube.server import KubeServer
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NS, JOB = "join", "jn"
-STEPS, PROMPTS, GROUP, TRAINERS = 40, 4, 2, 2
-TIMEOUT_S = 420.0
+STEPS, PROMPTS, GROUP, TRAINERS = 200, 8, 2, 2
+CHECKPOINT_EVERY = 20
+TIMEOUT_S = 240.0  # a bound per stage; the job's own end (complete or failed) ends every wait sooner
 BIN = Path(sys.executable).parent
 HF_TOKEN = "hf_join_test_secret"
 
@@ -58,19 +65,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _job(policy: Path, draft: Path) -> dict[str, Any]:
+def _job(policy: Path, draft: Path, checkpoints: Path) -> dict[str, Any]:
     return {
         "apiVersion": "specrl.io/v1alpha1", "kind": "RLJob", "metadata": {"name": JOB, "namespace": NS},
         "spec": {
             # Host paths stand for models baked into the image: the process reads job.yaml verbatim.
             "model": {"name": str(policy), "dtype": "float32"},
-            "algorithm": {"steps": STEPS, "promptsPerStep": PROMPTS, "groupSize": GROUP, "maxNewTokens": 24,
+            "algorithm": {"steps": STEPS, "promptsPerStep": PROMPTS, "groupSize": GROUP, "maxNewTokens": 48,
                           "learningRate": 1.0e-3, "seed": 0},
             "dataset": {"type": "synthetic", "synthetic": {"size": 64}},
             "speculative": {"method": "draft_model", "draftModel": str(draft), "numSpeculativeTokens": 3},
             "resources": {
                 "image": "specrl:local", "gpusPerPod": 0,
-                "trainer": {"replicas": TRAINERS, "minReplicas": 1},
                 "rollout": {"replicas": 1, "minReplicas": 1},
                 "podTemplate": {
                     "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}},
@@ -80,7 +86,12 @@ def _job(policy: Path, draft: Path) -> dict[str, Any]:
                     "volumeMounts": [{"name": "model-cache", "mountPath": "/var/cache/specrl"}],
                 },
                 "coordinator": {"podTemplate": {"resources": {"requests": {"cpu": "100m"}}}},
+                # Only trainers write checkpoints: the shared (ReadWriteMany) claim is theirs alone.
+                "trainer": {"replicas": TRAINERS, "minReplicas": 1, "podTemplate": {
+                    "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": "checkpoints"}}],
+                    "volumeMounts": [{"name": "checkpoints", "mountPath": str(checkpoints)}]}},
             },
+            "checkpoint": {"path": str(checkpoints), "interval": CHECKPOINT_EVERY},
             # One move (the cooldown outlasts the job), decided on the first poll that sees the queue back up.
             "elastic": {"enabled": True, "cooldownSeconds": 3600, "hysteresis": 1, "queueHighWatermark": 1,
                         "queueLowWatermark": 0, "drainTimeoutSeconds": 20},
@@ -142,14 +153,23 @@ class Join:
             self.last_status = st
         return st
 
-    def wait(self, predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S, interval: float = 0.5) -> Any:
+    def wait(self, predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S, interval: float = 0.5,
+             before_end: bool = True) -> Any:
+        """Poll `predicate` until it is truthy. With `before_end`, a job that completes or fails first fails the
+        test at once (the event can no longer happen inside this job). `last_status` is fresh in `predicate`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.operator.poll() is not None:
                 self.fail(f"the operator exited ({self.operator.returncode}) while waiting for {what}")
+            self.status()  # every poll refreshes last_status, which tells when the job ended
             value = predicate()
             if value:
                 return value
+            st = self.last_status or {}
+            if before_end and (st.get("complete") or st.get("phase") in ("Complete", "Failed")):
+                self.fail(f"the job ended ({st.get('phase')}, step {st.get('step')} of {STEPS}) before {what}"
+                          + ("; it ran too fast for this machine: raise STEPS" if st.get("complete") else "")
+                          + f"; coordinator status {st}")
             time.sleep(interval)
         self.fail(f"timed out after {timeout:.0f}s waiting for {what}; coordinator status {self.last_status}")
         return None
@@ -206,7 +226,11 @@ def join() -> Iterator[Join]:
     kubeconfig = kube.write_kubeconfig(root / "kubeconfig", namespace=NS)
     kubectl = Kubectl(kube_env(kubeconfig, root / "kubecache"), timeout=60)
     # The model-cache claim is pre-provisioned with this machine's cache (where the micro models were built).
-    runner = PodRunner(kube.url, root / "pods", logs, namespace=NS, claims={"model-cache": cache_dir()},
+    # The checkpoint claim starts empty; it is mounted where spec.checkpoint.path says (the same path on this host,
+    # as the process reads job.yaml verbatim).
+    (root / "checkpoints").mkdir()
+    runner = PodRunner(kube.url, root / "pods", logs, namespace=NS,
+                       claims={"model-cache": cache_dir(), "checkpoints": root / "checkpoints"},
                        path_prefix=[str(BIN)], node_env=node_env)
     http_port = runner.service_port(NS, f"{JOB}-coordinator", 8000)
     operator_log = logs / "operator.log"
@@ -234,10 +258,6 @@ def join() -> Iterator[Join]:
         print(f"[join] pod logs kept in {logs}", flush=True)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known gaps (issue 12 item 4 / issue 13): a trainer killed mid-job fails the step and the job (the "
-    "coordinator does not yet recover a dead trainer), and under load the 40-step micro job can complete before "
-    "the moved pod's Ray node has joined; every stage up to the failing one is asserted on each run"))
 def test_apply_rebalance_kill_and_complete(join: Join) -> None:
     t0 = time.monotonic()
     k = join.kubectl
@@ -248,7 +268,8 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "node-settings", "namespace": NS},
          "data": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
     ]))
-    k("apply", "-f", "-", input=yaml.safe_dump(_job(*_models())))  # server-side validated against the CRD
+    checkpoints = join.runner.claims["checkpoints"]
+    k("apply", "-f", "-", input=yaml.safe_dump(_job(*_models(), checkpoints)))  # server-side validated (the CRD)
     t_, r_ = f"{JOB}-trainer-", f"{JOB}-rollout-"
 
     # ---- 1. the pods Running as `specrl worker` processes; the job Running ---------------------------------
@@ -262,6 +283,8 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
     assert trainer.env["POD_UID"] == join.pods()[f"{t_}0"]["metadata"]["uid"]  # fieldRef
     assert trainer.env["SPECRL_CACHE_DIR"] == str(join.runner.claims["model-cache"])  # the shared cache claim
     assert HF_TOKEN not in json.dumps(join.kubectl.json("get", "rlj", JOB, "-n", NS))
+    mounts = {v["name"] for v in join.pods()[f"{JOB}-coordinator-0"]["spec"].get("volumes") or []}
+    assert "checkpoints" not in mounts and "model-cache" in mounts  # the trainer override is the trainers' only
     join.wait(lambda: join.rlj().get("PHASE") == "Running", "kubectl get rlj: Running")
     cols = join.rlj()
     assert (cols["TRAINER"], cols["ROLLOUT"]) == (str(TRAINERS), "1"), cols
@@ -269,90 +292,83 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
 
     # ---- 2. the rollout queue backs up: the operator moves the last trainer to rollout ----------------------
     t1 = time.monotonic()
-    victim = f"{t_}{TRAINERS - 1}"
+    victim, newcomer = f"{t_}{TRAINERS - 1}", f"{r_}1"
     seen: list[str] = []  # the victim's states in /status, in order, while its pod exists
 
-    def moved() -> dict[str, Any] | bool | None:
-        st = join.status()
+    def moved() -> dict[str, Any] | None:
+        st = join.last_status
         state = _workers(st).get(victim)
         if state and (not seen or seen[-1] != state) and join.runner.running(NS, victim) is not None:
             seen.append(state)
         if _came_back(seen):
-            return True  # see the xfail below
-        if st and st.get("phase") == "Failed":
-            # The same symptom, seen by the operator instead (the readmission fell between two of our polls).
-            if "DrainTimeout" in join.events():
-                return True
-            join.fail(f"the job failed during the move: {st}")
-        return st if _workers(st).get(f"{r_}1") == "active" else None
+            join.fail(f"drained {victim} was put back to work before its pod was deleted (its states {seen})")
+        return st if _workers(st).get(newcomer) == "active" else None
 
-    after_move = join.wait(moved, "rollout-1 joining the job", interval=0.1)
-    if after_move is True:
-        # Membership by identity (issue 12 item 3, runtime side): a drained worker must stay retired until its
-        # pod is gone. Observed instead: the coordinator readmits it while its Ray node lives, the operator's
-        # drain wait times out (drainTimeoutSeconds) and deletes a live member, and the job fails.
-        pytest.xfail(f"issue 12 item 3: drained {victim} was put back to work before its pod was deleted "
-                     f"(its states {seen}, operator events {join.events()}); the job then fails when the operator "
-                     "deletes the live member")
+    join.wait(moved, f"{newcomer} joining the job", interval=0.1)
     last = join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"]["lastRebalance"]
     assert (last["fromRole"], last["toRole"]) == ("trainer", "rollout"), last
     assert last["reason"] in ("QueueBacklog", "StepBalance"), last  # rollout is the bottleneck either way
-    assert victim not in join.pods() and join.runner.history(NS, victim)[0].exit_code is not None
+    # the new pod may join while the old one still terminates
+    join.wait(lambda: victim not in join.pods() and join.runner.history(NS, victim)[0].exit_code is not None,
+              f"{victim}'s pod deleted and its process ended")
     assert seen[:1] == ["active"] and {"draining", "retired"} & set(seen), seen  # drained via the real POST /drain
+    assert "DrainTimeout" not in join.events()  # it retired at its safe point; the operator did not force it
     join.wait(lambda: (c := join.rlj()) and (c["TRAINER"], c["ROLLOUT"]) == (str(TRAINERS - 1), "2"),
               f"kubectl get rlj: {TRAINERS - 1} / 2")
+    # the new pod does work: its own /metrics count the sequences it rolled out
+    newcomer_metrics = f"http://127.0.0.1:{join.runner.running(NS, newcomer).ports[9090]}/metrics"  # type: ignore[union-attr]
+    join.wait(lambda: sum(_series(_get_text(newcomer_metrics), "specrl_rollout_sequences_completed_total").values()),
+              f"{newcomer} completing rollouts")
     move_s = time.monotonic() - t1
 
-    # ---- 3. a trainer's process dies mid-job: the pod fails, the operator recreates it, it rejoins ---------
+    # ---- 3. the last trainer's process dies mid-job: recreated, it loads the newest checkpoint ------------
     t2 = time.monotonic()
     target = f"{t_}0"
-    step_before = int(after_move.get("step", 0))
-    if step_before >= STEPS - 3:
-        join.fail(f"the job ran too fast to kill a trainer mid-job (step {step_before} of {STEPS}); raise STEPS")
+    join.wait(lambda: list(checkpoints.glob("step-*/COMPLETE")), "a complete checkpoint on the shared volume")
     old: RunningPod = join.runner.running(NS, target)  # type: ignore[assignment]
     os.killpg(old.sid, signal.SIGKILL)
+    step_at_kill = int((join.status() or {}).get("step", 0))
     join.wait(lambda: (r := join.runner.running(NS, target)) is not None and r.uid != old.uid,
               f"{target} recreated by the operator")
     assert old.exit_code == 137
     assert join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"].get("restarts") == 1  # counted once
     states: list[str] = []
 
-    def rejoined() -> bool:
-        st = join.status()
-        if st and st.get("phase") == "Failed":
-            # Membership by identity (issue 12 item 3): a pod recreated under the same name is a new member.
-            pytest.xfail(f"issue 12 item 3: the coordinator failed after {target} died and was recreated "
-                         f"(its states {states}): {st.get('message') or st.get('error') or st}")
+    def rejoined() -> dict[str, Any] | None:
+        st = join.last_status or {}
         state = _workers(st).get(target, "absent")
         if not states or states[-1] != state:
             states.append(state)
-        return _came_back(states)
+        # The recovery is recorded once the replacement is in the group (its retired spell may be shorter than a
+        # poll when the pod was back before the death was noticed).
+        recs = [r for r in st.get("trainerRecoveries") or [] if target in r["lost"]]
+        return recs[-1] if recs and state == "active" else None
 
-    join.wait(rejoined, f"the recreated {target} rejoining", interval=0.2)
+    rec = join.wait(rejoined, f"the recreated {target} rejoining", interval=0.2)
+    assert (rec["action"], rec["lost"]) == ("restore", [target]), rec  # no trainer survived: the checkpoint
+    restored = int(Path(rec["source"]).name.removeprefix("step-"))
+    assert Path(rec["source"]).parent == checkpoints and restored % CHECKPOINT_EVERY == 0, rec
+    assert step_at_kill - CHECKPOINT_EVERY <= restored <= step_at_kill + 1, (restored, step_at_kill)
+    cols = join.rlj()
+    assert (cols["TRAINER"], cols["ROLLOUT"]) == (str(TRAINERS - 1), "2"), cols
     kill_s = time.monotonic() - t2
 
     # ---- 4. Complete, every step's prompts trained on exactly once ------------------------------------------
     t3 = time.monotonic()
-    metrics: dict[str, str] = {}
-
-    def complete() -> bool:
-        st = join.status()
-        if st and st.get("complete") and not metrics.get("text"):
-            metrics["text"] = _get_text(f"{join.coordinator_url}/metrics")
-        return join.rlj().get("PHASE") == "Complete"
-
-    join.wait(complete, "kubectl get rlj: Complete")
+    final = join.wait(lambda: (st := join.last_status or {}).get("complete") and st, "the coordinator: complete",
+                      before_end=False)
+    join.wait(lambda: join.rlj().get("PHASE") == "Complete", "kubectl get rlj: Complete", before_end=False)
     cols = join.rlj()
     assert cols["STEP"] == str(STEPS), cols
-    final = join.last_status or {}
     assert final.get("complete") and final.get("step") == STEPS and final.get("weightVersion") == STEPS, final
-    samples = _series(metrics.get("text", ""), "specrl_trainer_samples_total")
-    # The ledger refuses to train a prompt twice (the job would have Failed); the trainers' sample counters,
-    # kept per worker across the move and the restart, add up to exactly one training of every sample.
-    assert round(sum(samples.values())) == STEPS * PROMPTS * GROUP, samples
-    print(f"[join] startup {startup_s:.0f}s, move {move_s:.0f}s, kill+recreate {kill_s:.0f}s, "
+    # The ledger refuses to train a prompt twice (the job would have Failed); after the rollback it holds the
+    # restored ledger plus the steps run again: every prompt of every step exactly once, none lost or dropped.
+    assert final["ledger"] == {"issued": STEPS * PROMPTS, "trained": STEPS * PROMPTS, "dropped": 0, "lost": 0}, final
+    assert [r["action"] for r in final["trainerRecoveries"]] == ["restore"], final["trainerRecoveries"]
+    print(f"[join] startup {startup_s:.0f}s, move {move_s:.0f}s, kill+restore {kill_s:.0f}s, "
           f"to Complete {time.monotonic() - t3:.0f}s, total {time.monotonic() - t0:.0f}s; "
-          f"moved trainer's states {seen}, killed trainer's states {states}; logs {join.logs}")
+          f"moved trainer's states {seen}, killed trainer's states {states}, restored step {restored} "
+          f"(killed at {step_at_kill}); logs {join.logs}")
 
 
 def _models() -> tuple[Path, Path]:

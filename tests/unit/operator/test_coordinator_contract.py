@@ -56,6 +56,11 @@ async def test_status_and_drain_against_the_real_http_layer(server):
         with pytest.raises(DrainRejected) as err:
             await client.drain("ns", "j", "j-trainer-0", "wrong")
         assert err.value.status == 401
+        with pytest.raises(DrainRejected) as err:  # the last trainer: refused, with the coordinator's reason
+            await client.drain("ns", "j", "j-trainer-0", "t0k")
+        assert err.value.status == 409
+        assert str(err.value).endswith("-> HTTP 409: j-trainer-0 is the last active trainer worker; the job cannot "
+                                       "run without one"), str(err.value)
         # The actuator waits until the coordinator retires the worker at its safe point.
         owner = children.Owner("j", "ns", "u")
         assert not await actuator.wait_retired(client, owner, "j-trainer-1", timeout=0.3, poll=0.05)

@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 from specrl.operator import children
 from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError, InvalidStatus
+from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError, DrainRejected, InvalidStatus
 from specrl.operator.kube import ApiError, KubeClient
 from specrl.operator.rebalance import possible_moves
 from specrl.operator.reconcile import OperatorConfig, PodInfo, Runtime, reconcile
@@ -664,6 +664,22 @@ async def test_job_level_objects_deleted_by_hand_are_recreated_on_the_next_tick(
     pods = with_pod(kube, "j-rollout-0", waiting='CreateContainerConfigError: secret "j-token" not found')
     await reconcile(rt, body, pods, "timer", statics)
     assert kube.objects[("Secret", "j-token")]["stringData"]["token"] == token
+
+
+async def test_a_drain_the_coordinator_refuses_shows_its_reason(env):
+    rt, kube, coord, events, _ = env
+    body = await running_job(rt, kube)
+    coord.state["workers"] = [{"name": p.name, "role": p.role, "state": "active"}
+                              for p in kube.pods() if p.role != "coordinator"]
+    await run(rt, kube, body)
+    why = "POST http://x/drain -> HTTP 409: j-trainer-1 is the last active trainer worker; the job cannot run without one"
+    coord.drain_error = DrainRejected(409, why)
+    coord.state["queueDepth"] = 50
+    await run(rt, kube, body)
+    cond = require_condition(body["status"], "Rebalancing")
+    assert (cond["reason"], cond["message"]) == ("DrainRejected", why)
+    assert ("Warning", "DrainRejected", why) in [tuple(e[:3]) for e in events]
+    assert "j-trainer-1" in pod_names(kube)  # the move is abandoned; the worker keeps running
 
 
 async def test_a_retired_pod_outside_a_move_is_moved_or_replaced(env):
