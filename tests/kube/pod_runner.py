@@ -424,6 +424,10 @@ class PodRunner:
             except subprocess.TimeoutExpired:
                 pass
         self._kill_session(pod)
+        if pod.exit_code is None:  # a deleted pod's status is gone with it; its history keeps how it ended
+            code = pod.proc.returncode
+            pod.exit_code = 128 - code if code < 0 else code
+            pod.finished_at = _now()
 
     def _kill_session(self, pod: RunningPod) -> None:
         for pid in processes_in_sessions({pod.sid}):
