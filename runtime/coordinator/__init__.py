@@ -5,6 +5,7 @@
 - `placement.py`    where worker actors run (the one place that builds Ray actor options)
 - `rollouts.py`     rollout workers, chunk dispatch and collection, failures
 - `trainers.py`     the data-parallel trainer group, regrouping, the training batch
+- `recovery.py`     what to do when trainers die (reseed from a survivor, or roll back to a checkpoint)
 - `weight_sync.py`  trainer rank 0 -> rollout workers, group rebuilds
 - `drafter.py`      drafter training in the long tail (TLT)
 - `checkpoints.py`  where checkpoints live, which one to resume from

@@ -16,7 +16,9 @@ One RL step:
    transfer through the sync side group, rebuilt whenever membership changed.
 In async mode step n+1's rollouts start while step n trains, on the previous weights.
 
-The ledger proves nothing is lost or trained twice.
+The ledger proves nothing is lost or trained twice. A trainer that dies is dropped and the group re-formed from
+a survivor, or the job rolls back to its newest complete checkpoint (recovery.py decides, `_recover_trainers`
+acts); rollout workers that die are handled by the pool (rollouts.py).
 """
 
 from __future__ import annotations
