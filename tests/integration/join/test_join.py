@@ -331,7 +331,8 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
     join.wait(lambda: (r := join.runner.running(NS, target)) is not None and r.uid != old.uid,
               f"{target} recreated by the operator")
     assert old.exit_code == 137
-    assert join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"].get("restarts") == 1  # counted once
+    join.wait(lambda: join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"].get("restarts") == 1,
+              "the restart counted once in the RLJob's status")
     states: list[str] = []
 
     def rejoined() -> dict[str, Any] | None:
