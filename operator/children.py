@@ -157,11 +157,18 @@ def _plain(value: Any) -> Any:
 DEFAULT_JOB_IMAGE_ENV = "SPECRL_DEFAULT_JOB_IMAGE"
 
 
-def image_of(job: Any) -> str:
-    """The job's own image, else the operator's default job image, else the built-in one."""
+def image_of(job: Any, role: str | None = None) -> str:
+    """`role`'s own image, else the job's, else the operator's default job image, else the built-in one."""
     from ..runtime.api import DEFAULT_IMAGE
 
-    return str(job.spec.resources.image or os.environ.get(DEFAULT_JOB_IMAGE_ENV) or DEFAULT_IMAGE)
+    res = job.spec.resources
+    return str((role and res.role_image(role)) or res.image or os.environ.get(DEFAULT_JOB_IMAGE_ENV) or DEFAULT_IMAGE)
+
+
+def role_images(job: Any) -> dict[str, str]:
+    """The images the roles name themselves (the roles that name none use the job's image)."""
+    return {role: str(img) for role in ("coordinator", *WORKER_ROLES)
+            if (img := job.spec.resources.role_image(role)) is not None}
 
 
 def gpus_per_pod(job: Any) -> int:
@@ -343,7 +350,7 @@ def pod(job: Any, owner: Owner, role: str, index: int, config_digest: str | None
         ports.append({"name": "sync", "containerPort": SYNC_PORT, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": role,
-        "image": image_of(job),
+        "image": image_of(job, role),
         "command": ["specrl", "worker", role, "--config", CONFIG_FILE],
         "env": env,
         "ports": ports,

@@ -272,6 +272,15 @@ def _with_applied(job: RLJob, applied: Mapping[str, Any]) -> tuple[RLJob, list[s
             changes.append(f"spec.resources.image is immutable: running {running!r}, "
                            f"requested {job.spec.resources.image!r}")
         spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"image": running})})
+    pinned = applied.get("roleImages")
+    for role in ("coordinator", "trainer", "rollout") if pinned is not None else ():
+        want, have = spec.resources.role_image(role), pinned.get(role)
+        if want != have:
+            changes.append(f"spec.resources.{role}.image is immutable: running {have or 'the job image'!r}, "
+                           f"requested {want or 'the job image'!r}")
+            res = spec.resources
+            part = getattr(res, role).model_copy(update={"image": have})
+            spec = spec.model_copy(update={"resources": res.model_copy(update={role: part})})
     return (job.model_copy(update={"spec": spec}) if spec is not job.spec else job), changes
 
 
@@ -459,6 +468,7 @@ async def _reconcile(rt: Runtime, body: Mapping[str, Any], pods: dict[str, PodIn
     applied = st.setdefault("applied", {})
     applied.setdefault("model", IMMUTABLE[0][1](job))
     applied.setdefault("image", children.image_of(job))
+    applied.setdefault("roleImages", children.role_images(job))
     job, changes = _with_applied(job, applied)
     alloc = _allocation(job, st)
     phase = st.get("phase")

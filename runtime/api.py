@@ -373,6 +373,9 @@ class RoleSpec(_Strict):
     min_replicas: int = Field(default=1, ge=1, le=4096, description="Fewest pods elastic rebalancing may leave.")
     max_replicas: int | None = Field(default=None, ge=1, le=4096, description=(
         "Most pods elastic rebalancing may create; null = as many as the GPU budget allows."))
+    image: str | None = Field(default=None, min_length=1, max_length=MAX_REF, description=(
+        "Container image of this role's pods (e.g. a CPU-only coordinator image, a vLLM image for rollout); null = "
+        "spec.resources.image. A job keeps the images it started with."))
     pod_template: PodTemplate | None = Field(default=None, description=(
         "Override of spec.resources.podTemplate for this role's pods: placement and sizing fields replace the "
         "common ones, env, envFrom, volumes, volumeMounts, imagePullSecrets, labels and annotations merge by key."))
@@ -391,6 +394,9 @@ class RoleSpec(_Strict):
 class CoordinatorSpec(_Strict):
     """The coordinator pod (one, CPU only: the Ray head, the queue and the HTTP API)."""
 
+    image: str | None = Field(default=None, min_length=1, max_length=MAX_REF, description=(
+        "Container image of the coordinator pod (e.g. one without CUDA); null = "
+        "spec.resources.image. A job keeps the images it started with."))
     pod_template: PodTemplate | None = Field(default=None, description=(
         "Override of spec.resources.podTemplate for the coordinator (e.g. nodeSelector: {} and small requests, "
         "so it does not inherit GPU-node placement)."))
@@ -443,6 +449,10 @@ class ResourcesSpec(_Strict):
     def role_overrides(self) -> dict[str, PodTemplate | None]:
         return {"coordinator": self.coordinator.pod_template, "trainer": self.trainer.pod_template,
                 "rollout": self.rollout.pod_template}
+
+    def role_image(self, role: str) -> str | None:
+        """The image `role` (coordinator, trainer, rollout) names itself; None: the job's image."""
+        return {"coordinator": self.coordinator, "trainer": self.trainer, "rollout": self.rollout}[role].image
 
     def pod_template_for(self, role: str) -> PodTemplate:
         """The pod template of `role` (coordinator, trainer, rollout): its override merged over the common one."""

@@ -60,3 +60,40 @@ async def test_a_running_job_keeps_the_image_it_started_with(env, monkeypatch: p
     assert get_condition(body["status"], "Degraded") is None or \
         require_condition(body["status"], "Degraded")["status"] == "False"
     assert _pod_images(kube) == {MIRROR}
+
+
+def test_a_role_may_name_its_own_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(children.DEFAULT_JOB_IMAGE_ENV, raising=False)
+    doc = copy.deepcopy(JOB)
+    doc["spec"]["resources"]["image"] = "example/job:1"
+    doc["spec"]["resources"]["coordinator"] = {"image": "example/cpu-only:1"}
+    doc["spec"]["resources"].setdefault("rollout", {})["image"] = "example/vllm:1"
+    job = RLJob.model_validate(doc)
+    owner = children.Owner("j", "ns", "u")
+    images = {role: children.pod(job, owner, role, 0)["spec"]["containers"][0]["image"]
+              for role in ("coordinator", "trainer", "rollout")}
+    assert images == {"coordinator": "example/cpu-only:1", "trainer": "example/job:1", "rollout": "example/vllm:1"}
+    assert children.role_images(job) == {"coordinator": "example/cpu-only:1", "rollout": "example/vllm:1"}
+
+
+async def test_a_running_job_keeps_its_role_images(env) -> None:  # noqa: F811
+    rt, kube, _coord, _events, _clock = env
+    body = copy.deepcopy(JOB)
+    body["spec"]["resources"].setdefault("rollout", {})["image"] = "example/vllm:1"
+    await run(rt, kube, body, "create")
+    assert body["status"]["applied"]["roleImages"] == {"rollout": "example/vllm:1"}
+    body["spec"]["resources"]["rollout"]["image"] = "example/vllm:2"
+    body["spec"]["resources"]["trainer"] = {**body["spec"]["resources"].get("trainer", {}), "image": "example/t:2"}
+    await run(rt, kube, body, "timer")
+    cond = require_condition(body["status"], "Degraded")
+    assert (cond["status"], cond["reason"]) == ("True", "ImmutableFieldChanged")
+    assert "spec.resources.rollout.image is immutable: running 'example/vllm:1', requested 'example/vllm:2'" \
+        in cond["message"]
+    assert "spec.resources.trainer.image is immutable: running 'the job image', requested 'example/t:2'" \
+        in cond["message"]
+    # a rollout pod that is gone comes back with the image the job started with
+    del kube.objects[("Pod", "j-rollout-0")]
+    await run(rt, kube, body, "timer")
+    rollout = [obj for (kind, name), obj in kube.objects.items() if kind == "Pod" and "-rollout-" in name]
+    assert ("Pod", "j-rollout-0") in kube.objects
+    assert {p["spec"]["containers"][0]["image"] for p in rollout} == {"example/vllm:1"}
