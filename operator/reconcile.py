@@ -272,9 +272,9 @@ def _with_applied(job: RLJob, applied: Mapping[str, Any]) -> tuple[RLJob, list[s
             changes.append(f"spec.resources.image is immutable: running {running!r}, "
                            f"requested {job.spec.resources.image!r}")
         spec = spec.model_copy(update={"resources": spec.resources.model_copy(update={"image": running})})
-    pinned = applied.get("roleImages")
+    pinned: Mapping[str, str] | None = applied.get("roleImages")
     for role in ("coordinator", "trainer", "rollout") if pinned is not None else ():
-        want, have = spec.resources.role_image(role), pinned.get(role)
+        want, have = spec.resources.role_image(role), (pinned or {}).get(role)
         if want != have:
             changes.append(f"spec.resources.{role}.image is immutable: running {have or 'the job image'!r}, "
                            f"requested {want or 'the job image'!r}")

@@ -452,7 +452,9 @@ class ResourcesSpec(_Strict):
 
     def role_image(self, role: str) -> str | None:
         """The image `role` (coordinator, trainer, rollout) names itself; None: the job's image."""
-        return {"coordinator": self.coordinator, "trainer": self.trainer, "rollout": self.rollout}[role].image
+        if role == "coordinator":
+            return self.coordinator.image
+        return {"trainer": self.trainer, "rollout": self.rollout}[role].image
 
     def pod_template_for(self, role: str) -> PodTemplate:
         """The pod template of `role` (coordinator, trainer, rollout): its override merged over the common one."""

@@ -15,7 +15,12 @@ from typing import Any, cast
 import pytest
 from specrl.operator import children
 from specrl.operator import metrics as m
-from specrl.operator.coordinator_client import CoordinatorClient, CoordinatorError, DrainRejected, InvalidStatus
+from specrl.operator.coordinator_client import (
+    CoordinatorClient,
+    CoordinatorError,
+    DrainRejected,
+    InvalidStatus,
+)
 from specrl.operator.kube import ApiError, KubeClient
 from specrl.operator.rebalance import possible_moves
 from specrl.operator.reconcile import OperatorConfig, PodInfo, Runtime, reconcile
