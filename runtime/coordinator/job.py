@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..rl.settings import RunSettings
 from ..scheduling import (
@@ -49,6 +50,7 @@ from .trainers import TrainerGroup, training_batch
 from .weight_sync import WeightSync
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 RECOVERY_ATTEMPTS = 3  # trainer recoveries in a row within one step before the job gives up
 REPLACEMENT_WAIT_S = 600.0  # how long a job with no trainer left waits for a recreated trainer pod
@@ -382,7 +384,7 @@ class JobCoordinator:
                     return [out for out in (_result_or_none(r) for r in refs) if out is not None]
         raise TrainerLost(f"step {step}: trainers kept dying ({RECOVERY_ATTEMPTS} recoveries in a row)")
 
-    def _with_trainers(self, call):
+    def _with_trainers(self, call: Callable[[], T]) -> T:
         """`call()`, and again after a trainer recovery if it failed because a trainer died."""
         for _attempt in range(RECOVERY_ATTEMPTS):
             try:
@@ -428,12 +430,13 @@ class JobCoordinator:
                                     "source": plan.source, "reason": plan.reason})
         if plan.action == Action.FAIL:
             raise TrainerLost(plan.reason)
+        assert plan.source is not None  # every action but FAIL names its source
         if plan.action in (Action.CONTINUE, Action.APPLIED):
-            tg.reform(tg.state_of(plan.source), plan.source)  # type: ignore[arg-type]
+            tg.reform(tg.state_of(plan.source), plan.source)
             return plan
         if not formed:
             tg.reform(None, None)
-        self._restore(plan.source)  # type: ignore[arg-type]
+        self._restore(plan.source)
         self.weight_sync.sync(self.weight_version)
         raise RolledBack(plan.source)
 
@@ -544,8 +547,7 @@ class JobCoordinator:
             self.failed = message
 
 
-
-def _result_or_none(ref) -> dict | None:
+def _result_or_none(ref: Any) -> dict | None:
     import ray
 
     try:

@@ -285,7 +285,8 @@ def test_a_trainer_that_dies_mid_step_is_replaced_and_the_step_trained_again(loc
     all-reduce fails with it, both return, rank 1 (still on version 1) reseeds a new group with a respawned
     trainer-0, step 1 is trained again on the same samples, and the job completes: every prompt trained once."""
     import ray
-    from micro import micro_settings
+
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=3, trainers=2, rollouts=1, drafter_training=False)
     coord = JobCoordinator(s)
@@ -312,7 +313,7 @@ def test_the_last_trainer_dying_rolls_the_job_back_to_its_checkpoint(local_ray, 
     """The only trainer's process is SIGKILLed after step 2 (checkpoint every 2 steps): there is no survivor, so
     a new trainer loads the newest complete checkpoint, the ledger goes back with it, and steps 2.. run again;
     the job completes with every prompt trained once in the ledger."""
-    from micro import micro_settings
+    from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=4, trainers=1, rollouts=1, drafter_training=False, checkpoint_dir=str(tmp_path),
                        checkpoint_interval=2)
