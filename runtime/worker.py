@@ -153,6 +153,19 @@ def _load(config: str) -> RunSettings:
         raise WorkerError(str(exc)) from None
 
 
+def _preflight(settings: RunSettings, config: str) -> None:
+    """The model-side checks `specrl run` makes, in the pod that loads the model, before it joins the cluster:
+    a missing model, a tokenizer or draft vocabulary that does not fit, or a dtype this pod's device cannot run
+    is one line in this pod's log (and a failed pod), not an actor traceback in the coordinator's. A hub model
+    is downloaded here, into the pod's cache (a shared cache volume keeps it for the pods that follow)."""
+    from .models.hub import preflight
+
+    try:
+        preflight(settings)
+    except ValueError as exc:
+        raise WorkerError(f"{config}: {exc}") from None
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     role = args.role
@@ -180,6 +193,7 @@ def run_member(role: str, config: str) -> int:
     if not ray_addr:
         raise WorkerError("SPECRL_RAY_ADDRESS (host:6379 of the coordinator) is not set")
     settings = _load(config)
+    _preflight(settings, config)
     timeout = float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "300"))
     wait_for_coordinator(os.environ.get("SPECRL_COORDINATOR_ADDR"), ray_addr, timeout)
     from .coordinator import pod_resource, role_resource

@@ -64,6 +64,18 @@ def test_worker_gives_up_on_unreachable_coordinator(tmp_path):
     assert r.returncode == 1 and "SPECRL_WORKER" in r.stderr
 
 
+def test_worker_checks_the_model_before_joining(tmp_path):
+    # A trainer pod whose model folder is missing fails at once with the field, before any wait for the
+    # coordinator (the address below would otherwise be retried for SPECRL_CONNECT_TIMEOUT seconds).
+    job = _job(tmp_path, f"  model: {{name: {tmp_path / 'no-such-model'}}}\n")
+    env = {"SPECRL_WORKER": "bad-trainer-0", "SPECRL_RAY_ADDRESS": "127.0.0.1:9",
+           "SPECRL_COORDINATOR_ADDR": "127.0.0.1:9", "SPECRL_CONNECT_TIMEOUT": "60"}
+    r = _run(["worker", "trainer", "--config", str(job)], tmp_path, env=env, timeout=50)
+    assert r.returncode == 1
+    assert "spec.model.name" in r.stderr and "no-such-model" in r.stderr
+    assert "Traceback" not in r.stderr and "retrying" not in r.stderr
+
+
 def test_backoff_delays_are_bounded():
     from specrl.runtime.worker import backoff_delays
 
