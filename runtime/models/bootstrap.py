@@ -299,6 +299,18 @@ def exclusive(lock_path: Path, waiting: Callable[[], None] | None = None) -> Ite
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+# Below this width a layer's matmuls are too small to split across cores: a second intra-op thread adds only
+# synchronisation, and on a busy machine its spin-waits cost 10x or more (measured on this 2-core machine at load
+# average 5-6, the tiny recipe's training step, interleaved: 1 thread 0.29-0.56 s wall / 0.1 CPU-s, 2 threads
+# 3.6-6.0 s wall / 1.3-2.6 CPU-s).
+PARALLEL_MIN_HIDDEN = 256
+
+
+def build_threads(recipe: Recipe, available: int | None) -> int | None:
+    """Torch threads to build `recipe` with: one for narrow models, `available` (None: torch's default) otherwise."""
+    return 1 if recipe.hidden_size < PARALLEL_MIN_HIDDEN else available
+
+
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
     if n is None:
@@ -322,7 +334,7 @@ def ensure_built(recipe: Recipe, *, root: Path | None = None, force: bool = Fals
     teacher_dir = ensure_built(teacher, root=root, threads=threads, progress=progress, evaluate=evaluate) \
         if teacher is not None else None
 
-    with _threads(threads):
+    with _threads(build_threads(recipe, threads)):
         return build_atomically(final, lambda tmp: _build_into(tmp, recipe, teacher_dir, progress, evaluate),
                                 lambda d: is_complete(d) and not force, verb="building")
 

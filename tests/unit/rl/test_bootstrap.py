@@ -64,6 +64,14 @@ def test_load_policy_from_folder_and_generate(micro):
     assert next(half.parameters()).dtype == torch.bfloat16
 
 
+def test_narrow_models_build_on_one_thread(micro):
+    # their matmuls are too small to split; a second thread only spins (10x slower wall time on a busy machine)
+    assert bootstrap.build_threads(MICRO, 2) == 1 == bootstrap.build_threads(resolve_recipe("tiny"), None)
+    assert bootstrap.build_threads(resolve_recipe("bench"), 2) == 2
+    assert bootstrap.build_threads(resolve_recipe("bench"), None) is None
+    assert json.loads((micro / bootstrap.BUILD_INFO).read_text())["threads"] == 1
+
+
 def test_cache_is_reused_and_keyed_by_recipe(micro, root, monkeypatch):
     calls = []
     monkeypatch.setattr(bootstrap, "_build_into", lambda *a, **k: calls.append(a))
