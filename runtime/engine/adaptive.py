@@ -127,8 +127,12 @@ def _linear_in_tokens(by_k: Mapping[int, float], tokens: int) -> float:
         return by_k[ks[0]] * tokens / ks[0]
     lo = max([k for k in ks if k <= tokens] or [ks[0]])
     hi = min([k for k in ks if k >= tokens] or [ks[-1]])
-    if lo == hi:  # outside the measured range: extend the nearest segment
+    if lo == hi:  # outside the measured range: extend the nearest segment, never downhill (a noisy pair of
+        # timings under load once extrapolated the verify cost of 7 tokens to 0, and the toggle then speculated
+        # at α≈0.2 and ran at 0.76x plain decoding)
         lo, hi = (ks[-2], ks[-1]) if tokens > ks[-1] else (ks[0], ks[1])
+        slope = max(by_k[hi] - by_k[lo], 0.0) / (hi - lo)
+        return by_k[hi] + slope * (tokens - hi) if tokens > ks[-1] else by_k[lo] - slope * (lo - tokens)
     return by_k[lo] + (by_k[hi] - by_k[lo]) / (hi - lo) * (tokens - lo)
 
 
@@ -166,7 +170,8 @@ class CostModel:
         for b, by_k in self.verify_step.items():
             t = self.target_step.get(b) or self.t_ar(b)
             per_b[b] = _linear_in_tokens({**by_k, 1: t}, gamma + 1) / t
-        return max(_interp(per_b, batch), 1e-6) if per_b else float(gamma + 1)
+        # verifying γ+1 tokens is never cheaper than the one-token plain step it replaces
+        return max(_interp(per_b, batch), 1.0) if per_b else float(gamma + 1)
 
     def r(self, method: str, batch: int) -> float:
         if method not in self.draft_step:

@@ -303,3 +303,12 @@ def test_cpu_clock_restamps_step_seconds() -> None:
     assert StepClock("wall").restamp(record(AR, 4, 0, 1.5)).seconds == 1.5
     with pytest.raises(ValueError, match="clock"):
         AdaptiveSettings(clock="sundial")
+
+
+def test_verify_cost_never_extrapolates_below_a_plain_step():
+    # the calibration a loaded machine produced (job tiny-local): verifying 5 tokens timed cheaper than 3
+    noisy = CostModel(target_step={4: 1.0}, verify_step={4: {3: 4.155, 5: 1.681}}, draft_step={"ngram": {4: 0.0}})
+    assert noisy.v(4, 4) == pytest.approx(1.681)
+    assert noisy.v(4, 6) == noisy.v(4, 8) == pytest.approx(1.681)  # not 0: the last segment is not extended downhill
+    cheap = CostModel(target_step={1: 1.0}, verify_step={1: {5: 0.7}}, draft_step={"ngram": {1: 0.0}})
+    assert cheap.v(1, 4) == 1.0
