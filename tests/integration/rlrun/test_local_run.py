@@ -47,6 +47,10 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
     assert h["difference"] == pytest.approx(h["after"] - h["before"])
     assert 0.0 < h["p_value"] <= 1.0
     assert on_disk["accuracy_start"] == h["before"] and on_disk["accuracy_end"] == h["after"]
+    g = on_disk["greedy_heldout"]  # greedy: the same problems pair up exactly
+    assert g["n"] == g["problems"] == 8 == on_disk["eval_problems"]
+    assert (g["before"], g["after"]) == (on_disk["greedy_accuracy_start"], on_disk["greedy_accuracy_end"])
+    assert g["difference"] == pytest.approx((g["gained"] - g["lost"]) / g["n"]) and 0.0 < g["p_value"] <= 1.0
 
     # the long tail: overall and per step, from the rollouts themselves
     rl = on_disk["response_length"]
@@ -65,7 +69,7 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
 
     # the user sees the same story: the printed lines and the plots
     out = capsys.readouterr().out
-    assert "held-out accuracy" in out and "McNemar p=" in out
+    assert "held-out accuracy" in out and "McNemar p=" in out and "greedy held-out accuracy" in out
     assert "p95" in out and "speculative vs plain decoding" in out and "rollout share" in out
     for name in ("overview", "reward_accuracy", "response_lengths", "decode_timeline", "acceptance",
                  "time_breakdown"):
