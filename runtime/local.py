@@ -509,14 +509,17 @@ def _plot_reward(ax, records: list[dict], summary: dict, _compare: dict | None) 
     k = max(1, len(rewards) // 8)
     smooth = [_mean(rewards[max(0, i - k + 1):i + 1]) for i in range(len(rewards))]
     ax.plot(steps, smooth, "-", color="tab:blue", label=f"reward, mean of the last {k} steps")
-    h = summary.get("heldout")
-    if h:
-        xs = [steps[0] - 0.5, steps[-1] + 0.5]
+    xs = [steps[0] - 0.5, steps[-1] + 0.5]
+    for key, fmt, color, what in (("heldout", "D--", "k", "held-out accuracy, {n} samples"),
+                                  ("greedy_heldout", "s--", "tab:green", "greedy held-out accuracy, {n} problems")):
+        h = summary.get(key)
+        if not h:
+            continue
         ys = [h["before"], h["after"]]
         err = [[y - ci[0] for y, ci in zip(ys, (h["before_ci"], h["after_ci"]))],
                [ci[1] - y for y, ci in zip(ys, (h["before_ci"], h["after_ci"]))]]
-        ax.errorbar(xs, ys, yerr=err, fmt="D--", color="k", capsize=5,
-                    label=f"held-out accuracy, {h['n']} samples (95% CI); p={h['p_value']:.1g}")
+        ax.errorbar(xs, ys, yerr=err, fmt=fmt, color=color, capsize=5,
+                    label=what.format(n=h["n"]) + f" (95% CI); p={h['p_value']:.2g}")
     evals = [(r["step"], r["eval_accuracy"]) for r in records if r.get("eval_accuracy") is not None]
     if evals:
         ax.plot(*zip(*evals), "k:", marker="x", label="greedy held-out (every evalEvery steps)")
