@@ -180,7 +180,8 @@ class RolloutEngine:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         self.max_batch_size = max_batch_size
         self.max_gamma = self.speculative.gamma_cap
-        # Speculative steps write up to gamma positions past a sequence's end before rollback.
+        # Speculative steps write up to gamma positions past a sequence's end before rollback (real positions end
+        # at max_model_len - 1 + gamma); the one after is scratch for right-padded ragged forwards (see `plan`).
         self.cache_len = self.max_model_len + self.max_gamma + 1
         # dtype: None runs in the model's own dtype (the losslessness reference); "auto" in bfloat16 where the
         # CPU has native bf16 kernels. Sampling and rejection math stay in fp32/fp64 either way.
@@ -351,11 +352,11 @@ class RolloutEngine:
         if want_hidden:
             # Feature-level drafters need the target's hidden state at every prompt position.
             logits, hidden = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last,
-                                                 all_hidden=True)  # logits at the last position only
+                                                 all_hidden=True, lens=lens)  # logits at the last position only
             for p in want_hidden:
                 p.observe_target(hidden, [0] * len(joiners), lens, slot0=slot0)
         else:
-            logits, _ = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last)
+            logits, _ = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last, lens=lens)
         st = BatchSamplingTensors.build([s.params for s in joiners], self.device)
         probs = process_logits(logits, st)
         tok = sample_from_probs(probs, self._uniforms(joiners, 1)[:, 0])

@@ -298,17 +298,26 @@ class TransformerRunner:
                              self.dtype, self.device)
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def plan(self, slot0: int, starts: list[int], tokens: int) -> ForwardPlan:
+    def plan(self, slot0: int, starts: list[int], tokens: int, lens: list[int] | None = None) -> ForwardPlan:
+        """Row b feeds positions starts[b] .. starts[b]+lens[b]-1 (lens: default all `tokens`; a shorter row is
+        right-padded). Attention reads keys up to the longest row's real end, and padding writes its K/V to the
+        last position (`max_positions - 1`, scratch the caller never uses for a real token): a padded row
+        beside a long one must not address positions past any real sequence (nor past the cache)."""
         b = len(starts)
         dev = self.device
-        kv_len = max(starts) + tokens
-        if kv_len > self.max_positions:
+        real = lens if lens is not None else [tokens] * b
+        kv_len = max(s + n for s, n in zip(starts, real))
+        padded = tokens > min(real)
+        if kv_len > self.max_positions - padded:  # padding needs the scratch position free
             raise ValueError(f"max_model_len: position {kv_len} exceeds the rotary table ({self.max_positions})")
         ar = torch.arange(tokens, device=dev)
         if b == 1:
             positions = (ar + starts[0]).unsqueeze(0)
         else:
             positions = torch.tensor(starts, device=dev).unsqueeze(1) + ar.unsqueeze(0)
+        if padded:
+            pad = ar.unsqueeze(0) >= torch.tensor(real, device=dev).unsqueeze(1)
+            positions = positions.masked_fill(pad, self.max_positions - 1)
         mask = None
         # One new token per row and equal lengths (batch 1, or a GRPO group of one prompt): every cached key is
         # visible, so no mask (SDPA is cheaper without one).
@@ -318,11 +327,11 @@ class TransformerRunner:
             # Additive, in the compute dtype, built once per forward: SDPA would convert a bool mask in every layer.
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=dev).masked_fill_(hidden, float("-inf"))
         rows = None
-        if b > 1:
+        if b > 1 or padded:
             rows = torch.arange(slot0, slot0 + b, device=dev).unsqueeze(1).expand(b, tokens)
         return ForwardPlan(
             slot0=slot0, batch=b, tokens=tokens, positions=positions, rows=rows,
-            single_row_start=starts[0] if b == 1 else None, kv_len=kv_len, mask=mask,
+            single_row_start=starts[0] if b == 1 and not padded else None, kv_len=kv_len, mask=mask,
             cos=self.cos_table[positions].unsqueeze(1), sin=self.sin_table[positions].unsqueeze(1),
         )
 
@@ -362,15 +371,16 @@ class TransformerRunner:
 
     def forward(self, cache: StaticKVCache, slot0: int, starts: list[int], tokens: torch.Tensor,
                 num_layers: int | None = None, last_index: torch.Tensor | None = None, all_hidden: bool = False,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, T] for slots slot0.., row b at positions starts[b]..starts[b]+T-1.
+                lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, T] for slots slot0.., row b at positions starts[b]..starts[b]+T-1 (or right-padded after
+        lens[b] real tokens, see `plan`).
 
         Returns (logits fp32, normed hidden): [B, T, *] for all positions, or [B, *] at `last_index` [B].
         With `last_index` and `all_hidden`, logits [B, V] at `last_index` but hidden [B, T, H] everywhere: what a
         feature-level drafter's prefill needs, without [B, T, V] logits (16 x 1024 tokens x 152k vocab is ~10 GB
         of float32).
         """
-        plan = self.plan(slot0, starts, tokens.shape[1])
+        plan = self.plan(slot0, starts, tokens.shape[1], lens)
         h = F.embedding(tokens, self.embed)
         h = self.layers_forward(h, cache, plan, num_layers)
         if last_index is None:

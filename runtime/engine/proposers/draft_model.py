@@ -71,13 +71,15 @@ class DraftModelProposer(Proposer):
         starts = [self.lens[i] for i in range(b)]
         chunks = [ctx.tokens[i][starts[i]:] for i in range(b)]
         width = max(len(c) for c in chunks)
+        lens = None
         if width == 1:
             inp = torch.tensor(chunks, dtype=torch.int64, device=dev)
             last = None
         else:
+            lens = [len(c) for c in chunks]
             inp = torch.tensor([c + [0] * (width - len(c)) for c in chunks], dtype=torch.int64, device=dev)
-            last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64, device=dev)
-        logits, _ = runner.forward(self.cache, 0, starts, inp, last_index=last)
+            last = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=dev)
+        logits, _ = runner.forward(self.cache, 0, starts, inp, last_index=last, lens=lens)
         if last is None:
             logits = logits[:, 0]
         n = [len(t) for t in ctx.tokens]

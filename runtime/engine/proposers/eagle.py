@@ -182,9 +182,11 @@ class _EagleRunner(TransformerRunner):
         self._signature = self._current_signature()
 
     def step(self, cache, starts: list[int], features: torch.Tensor, tokens: torch.Tensor,
-             last_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """features [B, T, H] + next tokens [B, T] -> (draft logits fp32, predicted features)."""
-        plan = self.plan(0, starts, tokens.shape[1])
+             last_index: torch.Tensor | None = None, lens: list[int] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, T, H] + next tokens [B, T] (row b right-padded after lens[b]) -> (draft logits fp32,
+        predicted features)."""
+        plan = self.plan(0, starts, tokens.shape[1], lens)
         x = self.fc(torch.cat([F.embedding(tokens, self.target_runner.embed), features], dim=-1))
         g = self.layers_forward(x, cache, plan)
         if last_index is not None:
@@ -254,7 +256,7 @@ class EagleProposer(Proposer):
         nxt = torch.tensor([ctx.tokens[i][starts[i] + 1 : m[i] + 1] + [0] * (width - counts[i]) for i in range(b)],
                            dtype=torch.int64, device=dev)
         last = torch.tensor([c - 1 for c in counts], dtype=torch.int64, device=dev)
-        logits, g = runner.step(self.cache, starts, feats, nxt, last_index=last)
+        logits, g = runner.step(self.cache, starts, feats, nxt, last_index=last, lens=counts)
         tokens = torch.empty((b, gamma), dtype=torch.int64, device=dev)
         probs = torch.empty((b, gamma, runner.vocab_size), dtype=torch.float32, device=dev)
         for j in range(gamma):

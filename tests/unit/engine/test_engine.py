@@ -381,3 +381,49 @@ def test_bfloat16_engine_greedy_sd_equals_ar(method: str, target, draft) -> None
     sd = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
                        max_batch_size=4, dtype="auto").generate(PROMPTS, params)
     assert [o.token_ids for o in sd] == [o.token_ids for o in ar]
+
+
+def test_ragged_forward_reads_only_up_to_the_longest_real_row(target) -> None:
+    """A right-padded row beside a long one: keys up to the longest *real* end, padding written to scratch."""
+    runner = TransformerRunner(target, max_positions=40)
+    plan = runner.plan(0, [30, 0], 9, lens=[1, 9])
+    assert plan.kv_len == 31  # not max(starts) + width = 39
+    assert plan.positions[0].tolist() == [30] + [39] * 8 and plan.positions[1].tolist() == list(range(9))
+    with pytest.raises(ValueError, match="max_model_len"):
+        runner.plan(0, [39, 0], 2, lens=[1, 2])  # the scratch position must stay free
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_catch_up_of_a_late_joiner_fits_the_context(method: str, target, draft) -> None:
+    """A long prompt joins beside a long-running row: the drafter's ragged catch-up forward spans both, and the
+    context needs no headroom beyond max_model_len (it used to address max(starts) + widest chunk)."""
+    prompts = [[1, 2, 3], [4, 5, 6], [(3 * i) % VOCAB for i in range(30)]]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n) for n in (40, 30, 8)]
+    ar = RolloutEngine(target, max_batch_size=2, max_model_len=48).generate(prompts, params)
+    engine = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
+                           max_batch_size=2, max_model_len=48)
+    sd = engine.generate(prompts, params)
+    assert [o.token_ids for o in sd] == [o.token_ids for o in ar]
+    assert [len(o.token_ids) for o in sd] == [40, 30, 8]
+
+
+def test_rollout_worker_engine_dtype_follows_the_bench() -> None:
+    """The rollout worker's engines resolve their dtype as the bench does (bf16 where native kernels exist)."""
+    from specrl.runtime.engine.model_runner import compute_dtype, native_bf16
+    from specrl.runtime.rollout_worker import engine_dtype
+
+    cpu = torch.device("cpu")
+    assert compute_dtype(engine_dtype("float32"), torch.float32, cpu) == (torch.bfloat16 if native_bf16()
+                                                                          else torch.float32)
+    assert engine_dtype("bfloat16") == "bfloat16" and engine_dtype("float16") == "float16"
+
+
+def test_rollout_worker_context_is_prompt_plus_budget() -> None:
+    from specrl.runtime.rollout_worker import max_model_len
+    from specrl.runtime.rl.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    problems = [type("P", (), {"prompt": "1+2="})(), type("P", (), {"prompt": "12+34="})()]
+    n = max_model_len(problems, tok, 16)
+    assert n == len(tok.prompt_ids("12+34=")) + 16
+    assert max_model_len(problems, tok, 16, model_positions=10) == 10
