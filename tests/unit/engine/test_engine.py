@@ -427,3 +427,26 @@ def test_rollout_worker_context_is_prompt_plus_budget() -> None:
     n = max_model_len(problems, tok, 16)
     assert n == len(tok.prompt_ids("12+34=")) + 16
     assert max_model_len(problems, tok, 16, model_positions=10) == 10
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "quantized_self"])
+def test_acceptance_accounting_is_per_drafting_row(method: str, target, draft) -> None:
+    """accepted <= drafted <= γ·rows per step; acceptance length = 1 + accepted / (rows that drafted) never exceeds
+    1 + the largest γ that ran, whatever the budgets, stops and γ caps per row do (a reported 7.0 was a γ of 8
+    chosen by the adaptive controller under numSpeculativeTokens=3, not a miscount)."""
+    prompts = [[(i * 5 + j) % VOCAB for j in range(1 + (i * 7) % 9)] for i in range(9)]
+    params = [SamplingParams(temperature=t, max_new_tokens=3 + (i * 5) % 17, seed=i, stop_token_ids=[0])
+              for i in range(9) for t in (0.0, 1.0)][:9]
+    ctl = _Recorder(method)
+    engine = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
+                           max_batch_size=3, controller=ctl)
+    engine.generate(prompts, params)
+    s = engine.stats
+    sd = [r for r in ctl.records if r.method]
+    assert sd and all(r.accepted_tokens <= r.draft_tokens <= r.gamma * r.batch_size for r in sd)
+    assert all(r.tried_tokens <= r.draft_tokens and r.accepted_tokens <= r.tried_tokens for r in sd)
+    assert s.draft_tokens == sum(r.draft_tokens for r in sd) and s.accepted_tokens == sum(r.accepted_tokens
+                                                                                           for r in sd)
+    assert sum(s.accepted_per_position) == s.accepted_tokens
+    assert s.drafts <= sum(r.batch_size for r in sd)
+    assert 1.0 <= s.acceptance_length <= 1 + max(r.gamma for r in sd)
