@@ -63,6 +63,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 1
     layer_skip_layers: int | None = None  # default: half of the target's layers
+    quantized_bits: int | None = None  # quantized_self weights: 4 or 8; default 4 where the CPU int4 kernel exists
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_methods", tuple(self.extra_methods))
@@ -76,6 +77,8 @@ class SpeculativeConfig:
         if not (1 <= self.ngram_min <= self.ngram_max):
             raise ValueError(f"ngram_min: must satisfy 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
+        if self.quantized_bits not in (None, 4, 8):
+            raise ValueError(f"quantized_bits: must be 4 or 8, got {self.quantized_bits!r}")
         if self.layer_skip_layers is not None and self.layer_skip_layers < 1:
             raise ValueError(f"layer_skip_layers: must be >= 1, got {self.layer_skip_layers}")
 
@@ -213,7 +216,7 @@ class RolloutEngine:
         if name == "layer_skip":
             return P.LayerSkipProposer(self.speculative.layer_skip_layers)
         if name == "quantized_self":
-            return P.QuantizedSelfProposer(self.model)
+            return P.QuantizedSelfProposer(self.model, self.speculative.quantized_bits)
         if name == "eagle":
             return P.EagleProposer(eagle_head)
         raise ValueError(f"method: unknown proposer {name!r}")

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 class DraftModelProposer(Proposer):
     name = "draft_model"
 
-    def __init__(self, draft_model: nn.Module, int8: bool = False) -> None:
+    def __init__(self, draft_model: nn.Module, quantize: int = 0) -> None:
         self.draft_model = draft_model
-        self.int8 = int8
+        self.quantize = quantize
         self.runner: TransformerRunner | None = None
         self.lens: list[int] = []
 
@@ -36,7 +36,7 @@ class DraftModelProposer(Proposer):
         if vocab_size != engine.vocab_size:
             raise ValueError(f"draft_model: vocab_size {vocab_size} differs from the "
                              f"target's {engine.vocab_size}")
-        self.runner = TransformerRunner(self.draft_model, int8=self.int8, max_positions=engine.cache_len,
+        self.runner = TransformerRunner(self.draft_model, quantize=self.quantize, max_positions=engine.cache_len,
                                         dtype=engine.runner.dtype)
         if self.runner.device != engine.device:
             raise ValueError(f"draft_model: on {self.runner.device}, the target is on {engine.device}")

@@ -135,7 +135,7 @@ class _EagleRunner(TransformerRunner):
         self.head_module = head
         self.target_runner = target_runner
         self.model = head
-        self.int8 = False
+        self.quantize = 0
         cfg = head.config
         self.config = cfg
         self.num_heads = cfg.num_attention_heads

@@ -171,7 +171,7 @@ def test_policy_update_refreshes_engine_and_drafters(target) -> None:
         with torch.inference_mode():
             proposer = engine.proposers["quantized_self"]
             assert isinstance(proposer, QuantizedSelfProposer) and proposer.runner is not None
-            return proposer.runner.layers[0].qkv(probe).clone()
+            return proposer.runner.layers[0].qkv(probe.to(proposer.runner.dtype)).float()
 
     before = quantized_qkv()
     engine.load_policy_state(new.state_dict())
