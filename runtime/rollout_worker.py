@@ -172,7 +172,8 @@ class RolloutWorker:
     def _install_adaptive_controller(self) -> None:
         """Calibrate the cost model on this machine with the job's own prompts, then let the controller decide
         per decode step whether to speculate and how far (DESIGN §5)."""
-        from .engine.adaptive import AdaptiveController, calibrate, settings_from_spec
+        from .engine.adaptive import AdaptiveController, settings_from_spec
+        from .engine.calibration import calibrate
         from .rl.task import prompt_token_ids
 
         prompts = [prompt_token_ids(p, self.tokenizer) for p in self.problems[:8]]

@@ -37,13 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..engine import RolloutEngine, SamplingParams, SpeculativeConfig
-from ..engine.adaptive import (
-    AdaptiveController,
-    AdaptiveSettings,
-    Calibration,
-    calibrate,
-    label,
-)
+from ..engine.adaptive import AdaptiveController, AdaptiveSettings, label
+from ..engine.calibration import Calibration, calibrate
 from ..engine.control import Decision, FixedController, StepRecord
 from ..engine.model_runner import decoder_of
 
@@ -672,12 +667,8 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
                      "adaptive_vs_best": (tps["adaptive"] or 0.0) / best_tps if best_tps else None,
                      "adaptive_vs_best_per_repeat": [round(a / f, 3) for a, f in zip(samples[b]["adaptive"],
                                                                                       samples[b][best]) if f],
-                     "model_choice": label(_model_choice(cal, adaptive, b))})
+                     "model_choice": label(adaptive.choose(b))})
     return rows
-
-
-def _model_choice(cal: Calibration, adaptive: AdaptiveController, b: int) -> Decision:
-    return adaptive.choose(b)
 
 
 def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -22,19 +22,29 @@ the choice never changes the distribution of the sampled tokens (every option is
 
 from __future__ import annotations
 
-import bisect
-import math
-import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from .control import Decision, FixedController, StepClock, StepRecord
+from .control import Decision, StepClock, StepRecord
+from .cost_model import (
+    CostModel,
+    _interp,
+    alpha_from_mean_accepted,
+    expected_tokens_per_round,
+    low_percentile,
+    predicted_speedup,
+    round_alpha_from_record,
+)
+
+# the math lives in cost_model; these names are re-exported for the callers that import them from here
+__all__ = ["AR", "AdaptiveController", "AdaptiveSettings", "CostModel", "alpha_from_mean_accepted",
+           "controller_from_spec", "expected_tokens_per_round", "is_speculative", "label", "predicted_speedup",
+           "round_alpha_from_record", "settings_from_spec"]
 
 AR = Decision(None, 0)
 MIN_TRIED = 32  # draft tokens of acceptance evidence before a proposer's α is trusted (probed until then)
-DEFAULT_CALIBRATION_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
 
 
 def is_speculative(decision: Decision) -> bool:
@@ -43,175 +53,6 @@ def is_speculative(decision: Decision) -> bool:
 
 def label(decision: Decision) -> str:
     return f"{decision.method}:{decision.gamma}" if is_speculative(decision) else "ar"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the math
-
-
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """L = (1 − α^(γ+1)) / (1 − α): expected tokens emitted by one round with γ drafts (bonus token included)."""
-    if gamma < 0:
-        raise ValueError(f"gamma must be >= 0, got {gamma}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
-    if alpha >= 1.0 - 1e-12:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def predicted_speedup(alpha: float, gamma: int, r: float, v: float) -> float:
-    """Speedup of one speculative round over plain decoding: L / (γ·r + v)."""
-    cost = gamma * r + v
-    if cost <= 0:
-        raise ValueError(f"round cost γ·r + v must be > 0, got {cost} (r={r}, v={v}, γ={gamma})")
-    return expected_tokens_per_round(alpha, gamma) / cost
-
-
-def alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
-    """Invert E[accepted drafts] = α(1 − α^γ)/(1 − α) for α (bisection; the map is increasing in α)."""
-    if gamma < 1:
-        raise ValueError(f"gamma must be >= 1, got {gamma}")
-    target = min(max(mean_accepted, 0.0), float(gamma))
-    if target <= 0.0:
-        return 0.0
-    if target >= gamma:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(24):  # 6e-8 resolution: far below the noise of one round's estimate
-        mid = (lo + hi) / 2
-        if expected_tokens_per_round(mid, gamma) - 1.0 < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def round_alpha_from_record(record: StepRecord) -> float | None:
-    """α of one speculative step from the engine's totals (None when nothing was drafted)."""
-    if record.gamma < 1 or record.draft_tokens <= 0:
-        return None
-    drafting = max(record.draft_tokens / record.gamma, 1e-9)  # sequences that drafted (ragged proposers: fewer)
-    return alpha_from_mean_accepted(record.accepted_tokens / drafting, record.gamma)
-
-
-def low_percentile(xs: Iterable[float], q: float = 0.2) -> float:
-    """The q-quantile of timings: other processes only ever add time, so a low quantile estimates the intrinsic
-    cost far more stably than the mean (the minimum would be too optimistic)."""
-    ordered = sorted(xs)
-    if not ordered:
-        raise ValueError("no samples")
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
-
-def _interp(points: Mapping[int, float], x: float) -> float:
-    """Piecewise-linear in log(batch size), clamped at the ends: step costs grow smoothly with b."""
-    keys = sorted(points)
-    if not keys:
-        raise ValueError("no calibration points")
-    if x <= keys[0]:
-        return points[keys[0]]
-    if x >= keys[-1]:
-        return points[keys[-1]]
-    i = bisect.bisect_right(keys, x)
-    a, b = keys[i - 1], keys[i]
-    w = (math.log(x) - math.log(a)) / (math.log(b) - math.log(a))
-    return points[a] * (1 - w) + points[b] * w
-
-
-def _linear_in_tokens(by_k: Mapping[int, float], tokens: int) -> float:
-    ks = sorted(by_k)
-    if tokens in by_k:
-        return by_k[tokens]
-    if len(ks) == 1:
-        return by_k[ks[0]] * tokens / ks[0]
-    lo = max([k for k in ks if k <= tokens] or [ks[0]])
-    hi = min([k for k in ks if k >= tokens] or [ks[-1]])
-    if lo == hi:  # outside the measured range: extend the nearest segment, never downhill (a noisy pair of
-        # timings under load once extrapolated the verify cost of 7 tokens to 0, and the toggle then speculated
-        # at α≈0.2 and ran at 0.76x plain decoding)
-        lo, hi = (ks[-2], ks[-1]) if tokens > ks[-1] else (ks[0], ks[1])
-        slope = max(by_k[hi] - by_k[lo], 0.0) / (hi - lo)
-        return by_k[hi] + slope * (tokens - hi) if tokens > ks[-1] else by_k[lo] - slope * (lo - tokens)
-    return by_k[lo] + (by_k[hi] - by_k[lo]) / (hi - lo) * (tokens - lo)
-
-
-@dataclass
-class CostModel:
-    """Step costs on this machine (seconds) at measured batch sizes, interpolated in between.
-
-    ``target_step[b]``: one plain decode step at batch b. ``verify_step[b][k]``: one target forward over k new
-    tokens per sequence (k = γ+1 when verifying). ``draft_step[m][b]``: proposer m's cost per draft token;
-    ``overhead[m][b]``: its fixed cost per round (e.g. a draft model's forward over the last accepted tokens).
-    """
-
-    target_step: dict[int, float]
-    verify_step: dict[int, dict[int, float]]
-    draft_step: dict[str, dict[int, float]] = field(default_factory=dict)
-    overhead: dict[str, dict[int, float]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.target_step:
-            raise ValueError("CostModel.target_step: needs at least one calibrated batch size")
-        for b, t in self.target_step.items():
-            if b < 1 or not t > 0:
-                raise ValueError(f"CostModel.target_step[{b}]: batch must be >= 1 and cost > 0, got {t}")
-
-    @property
-    def methods(self) -> list[str]:
-        return sorted(self.draft_step)
-
-    def t_ar(self, batch: int) -> float:
-        return _interp(self.target_step, batch)
-
-    def v(self, batch: int, gamma: int) -> float:
-        """verify(γ+1 tokens) / plain step at this batch size (linear in tokens between measured k)."""
-        per_b = {}
-        for b, by_k in self.verify_step.items():
-            t = self.target_step.get(b) or self.t_ar(b)
-            per_b[b] = _linear_in_tokens({**by_k, 1: t}, gamma + 1) / t
-        # verifying γ+1 tokens is never cheaper than the one-token plain step it replaces
-        return max(_interp(per_b, batch), 1.0) if per_b else float(gamma + 1)
-
-    def r(self, method: str, batch: int) -> float:
-        if method not in self.draft_step:
-            raise KeyError(f"CostModel: proposer {method!r} was not calibrated (have {self.methods})")
-        return max(_interp({b: t / self.t_ar(b) for b, t in self.draft_step[method].items()}, batch), 0.0)
-
-    def round_overhead(self, method: str, batch: int) -> float:
-        by_b = self.overhead.get(method)
-        return max(_interp({b: t / self.t_ar(b) for b, t in by_b.items()}, batch), 0.0) if by_b else 0.0
-
-    def round_cost(self, method: str, gamma: int, batch: int) -> float:
-        """Cost of one speculative round in plain steps: γ·r + v (+ the proposer's per-round overhead)."""
-        return gamma * self.r(method, batch) + self.v(batch, gamma) + self.round_overhead(method, batch)
-
-    def speedup(self, method: str, gamma: int, batch: int, alpha: float) -> float:
-        return expected_tokens_per_round(alpha, gamma) / self.round_cost(method, gamma, batch)
-
-    def best_gamma(self, method: str, batch: int, alpha: float, gammas: Iterable[int]) -> tuple[int, float]:
-        """The γ in `gammas` with the highest predicted speedup (shorter on ties), and that speedup."""
-        r, a = self.r(method, batch), self.round_overhead(method, batch)
-        best = (-1.0, 0)
-        for g in sorted(gammas):
-            s = expected_tokens_per_round(alpha, g) / (g * r + a + self.v(batch, g))
-            if s > best[0]:
-                best = (s, g)
-        return best[1], best[0]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"target_step": self.target_step, "verify_step": self.verify_step,
-                "draft_step": self.draft_step, "overhead": self.overhead}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
-        def ints(d: Mapping[Any, Any]) -> dict[int, float]:
-            return {int(k): float(v) for k, v in d.items()}
-
-        return cls(target_step=ints(data["target_step"]),
-                   verify_step={int(b): ints(by_k) for b, by_k in data["verify_step"].items()},
-                   draft_step={m: ints(v) for m, v in data.get("draft_step", {}).items()},
-                   overhead={m: ints(v) for m, v in data.get("overhead", {}).items()})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -452,8 +293,7 @@ class AdaptiveController:
         the argmax's γ at every batch size with the current estimates (no hysteresis, no probes)."""
         ranges: list[list[int]] = []
         for b in range(1, max_batch + 1):
-            options: dict[str | None, tuple[float, Decision]] = \
-                self.table(b) if self.methods else {None: (1.0, AR)}
+            options = self.table(b) if self.methods else {None: (1.0, AR)}
             k = options[max(options, key=lambda o: options[o][0])][1].gamma if options else self.settings.gamma
             if ranges and ranges[-1][2] == k:
                 ranges[-1][1] = b
@@ -495,104 +335,3 @@ def controller_from_spec(speculative: Any, methods: Sequence[str] | None = None,
         methods = [] if spec.method == "none" else [spec.method]
     return AdaptiveController(methods, cost_model=cost_model, settings=settings_from_spec(spec, **overrides),
                               metrics=metrics)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# calibration
-
-
-@dataclass
-class Calibration:
-    """What `calibrate` measured: the cost model plus per-proposer acceptance seen while measuring."""
-
-    cost_model: CostModel
-    alpha: dict[str, float]
-    seconds: float
-
-    def summary(self) -> dict[str, Any]:
-        cm = self.cost_model
-        return {
-            "seconds": round(self.seconds, 2),
-            "target_step_ms": {b: round(t * 1e3, 3) for b, t in sorted(cm.target_step.items())},
-            "v": {b: {g: round(cm.v(b, g), 3) for g in (2, 4, 6)} for b in sorted(cm.target_step)},
-            "r": {m: {b: round(cm.r(m, b), 3) for b in sorted(cm.target_step)} for m in cm.methods},
-            "overhead": {m: {b: round(cm.round_overhead(m, b), 3) for b in sorted(cm.target_step)}
-                         for m in cm.methods},
-            "alpha": {m: round(a, 3) for m, a in self.alpha.items()},
-        }
-
-
-def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[str] | None = None,
-              batch_sizes: Sequence[int] = DEFAULT_CALIBRATION_BATCH_SIZES, gammas: Sequence[int] = (2, 6),
-              steps: int = 10, rounds: int = 2, seed: int = 0, clock: str = "wall",
-              progress: Callable[[str], None] | None = None) -> Calibration:
-    """Measure the cost model on this machine by running the engine itself, pinned to one decision at a time.
-
-    For every batch size b (prompts are cycled to fill it) the engine decodes with plain steps (-> t(b)) and with
-    every proposer at every γ in `gammas` (-> the verify cost of γ+1 tokens from the target part of the step, and
-    the draft cost split into a per-token and a per-round part from two γ). Only steps at exactly batch b count;
-    rounds are interleaved so a burst of load spreads over every measurement. The engine's controller is
-    restored afterwards; its stats keep the calibration steps (they are real decode steps).
-    """
-    from .sampling import SamplingParams
-
-    if len(gammas) < 1 or any(g < 1 for g in gammas):
-        raise ValueError(f"calibrate: gammas must be >= 1, got {list(gammas)}")
-    if not prompts:
-        raise ValueError("calibrate: needs at least one prompt")
-    methods = list(methods if methods is not None else getattr(engine, "proposers", {}))
-    sizes = sorted({min(b, engine.max_batch_size) for b in batch_sizes})
-    gammas = sorted(set(gammas))
-    saved = engine.controller
-    start = time.perf_counter()
-    ar: dict[int, list[float]] = {b: [] for b in sizes}
-    verify: dict[int, dict[int, list[float]]] = {b: {} for b in sizes}
-    draft: dict[tuple[str, int, int], list[float]] = {}
-    alphas: dict[str, list[float]] = {m: [] for m in methods}
-
-    def run(b: int, decision: Decision, new_tokens: int) -> list[StepRecord]:
-        fixed = FixedController(decision.method, decision.gamma, clock=clock)
-        engine.controller = fixed
-        engine.generate([list(prompts[i % len(prompts)]) for i in range(b)],
-                        [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed + i) for i in range(b)])
-        assert fixed.records is not None  # a controller with a clock records every step
-        return [r for r in fixed.records if r.batch_size == b]
-
-    try:
-        for _ in range(max(rounds, 1)):
-            for b in sizes:
-                if progress:
-                    progress(f"calibrate: batch {b} AR")
-                ar[b] += [r.seconds for r in run(b, AR, steps + 2)[1:]]  # step 1 warms caches
-                for m in methods:
-                    for g in gammas:
-                        if progress:
-                            progress(f"calibrate: batch {b} {m} γ={g}")
-                        recs = run(b, Decision(m, g), (g + 1) * max(2, steps // 3) + 2)
-                        verify[b].setdefault(g + 1, []).extend(r.target_seconds for r in recs)
-                        draft.setdefault((m, b, g), []).extend(r.draft_seconds for r in recs)
-                        alphas[m] += [a for r in recs if (a := round_alpha_from_record(r)) is not None]
-    finally:
-        engine.controller = saved
-    draft_step: dict[str, dict[int, float]] = {}
-    overhead: dict[str, dict[int, float]] = {}
-    for m in methods:
-        for b in sizes:
-            by_g = {g: low_percentile(draft[(m, b, g)]) for g in gammas if draft.get((m, b, g))}
-            if not by_g:
-                continue
-            gs = sorted(by_g)
-            if len(gs) >= 2:  # draft(γ) = a + γ·c: c per draft token, a per round
-                c = max((by_g[gs[-1]] - by_g[gs[0]]) / (gs[-1] - gs[0]), 0.0)
-                a = max(by_g[gs[0]] - c * gs[0], 0.0)
-            else:
-                c, a = by_g[gs[0]] / gs[0], 0.0
-            draft_step.setdefault(m, {})[b] = c
-            overhead.setdefault(m, {})[b] = a
-    target = {b: low_percentile(xs) for b, xs in ar.items() if xs}
-    model = CostModel(target_step=target,
-                      verify_step={b: {1: target[b], **{k: low_percentile(v) for k, v in by_k.items() if v}}
-                                   for b, by_k in verify.items() if b in target},
-                      draft_step=draft_step, overhead=overhead)
-    alpha = {m: sum(xs) / len(xs) for m, xs in alphas.items() if xs}
-    return Calibration(model, alpha, time.perf_counter() - start)

@@ -419,8 +419,8 @@ def test_rollout_worker_engine_dtype_follows_the_bench() -> None:
 
 
 def test_rollout_worker_context_is_prompt_plus_budget() -> None:
-    from specrl.runtime.rollout_worker import max_model_len
     from specrl.runtime.rl.tokenizer import CharTokenizer
+    from specrl.runtime.rollout_worker import max_model_len
 
     tok = CharTokenizer()
     problems = [type("P", (), {"prompt": "1+2="})(), type("P", (), {"prompt": "12+34="})()]

@@ -1,0 +1,110 @@
+"""Start-up calibration of the cost model: run the engine itself, pinned to one decision at a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .control import Decision, FixedController, StepRecord
+from .cost_model import CostModel, low_percentile, round_alpha_from_record
+
+DEFAULT_CALIBRATION_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
+AR = Decision(None, 0)
+
+
+@dataclass
+class Calibration:
+    """What `calibrate` measured: the cost model plus per-proposer acceptance seen while measuring."""
+
+    cost_model: CostModel
+    alpha: dict[str, float]
+    seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        cm = self.cost_model
+        return {
+            "seconds": round(self.seconds, 2),
+            "target_step_ms": {b: round(t * 1e3, 3) for b, t in sorted(cm.target_step.items())},
+            "v": {b: {g: round(cm.v(b, g), 3) for g in (2, 4, 6)} for b in sorted(cm.target_step)},
+            "r": {m: {b: round(cm.r(m, b), 3) for b in sorted(cm.target_step)} for m in cm.methods},
+            "overhead": {m: {b: round(cm.round_overhead(m, b), 3) for b in sorted(cm.target_step)}
+                         for m in cm.methods},
+            "alpha": {m: round(a, 3) for m, a in self.alpha.items()},
+        }
+
+
+def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[str] | None = None,
+              batch_sizes: Sequence[int] = DEFAULT_CALIBRATION_BATCH_SIZES, gammas: Sequence[int] = (2, 6),
+              steps: int = 10, rounds: int = 2, seed: int = 0, clock: str = "wall",
+              progress: Callable[[str], None] | None = None) -> Calibration:
+    """Measure the cost model on this machine by running the engine itself, pinned to one decision at a time.
+
+    For every batch size b (prompts are cycled to fill it) the engine decodes with plain steps (-> t(b)) and with
+    every proposer at every γ in `gammas` (-> the verify cost of γ+1 tokens from the target part of the step, and
+    the draft cost split into a per-token and a per-round part from two γ). Only steps at exactly batch b count;
+    rounds are interleaved so a burst of load spreads over every measurement. The engine's controller is
+    restored afterwards; its stats keep the calibration steps (they are real decode steps).
+    """
+    from .sampling import SamplingParams
+
+    if len(gammas) < 1 or any(g < 1 for g in gammas):
+        raise ValueError(f"calibrate: gammas must be >= 1, got {list(gammas)}")
+    if not prompts:
+        raise ValueError("calibrate: needs at least one prompt")
+    methods = list(methods if methods is not None else getattr(engine, "proposers", {}))
+    sizes = sorted({min(b, engine.max_batch_size) for b in batch_sizes})
+    gammas = sorted(set(gammas))
+    saved = engine.controller
+    start = time.perf_counter()
+    ar: dict[int, list[float]] = {b: [] for b in sizes}
+    verify: dict[int, dict[int, list[float]]] = {b: {} for b in sizes}
+    draft: dict[tuple[str, int, int], list[float]] = {}
+    alphas: dict[str, list[float]] = {m: [] for m in methods}
+
+    def run(b: int, decision: Decision, new_tokens: int) -> list[StepRecord]:
+        fixed = FixedController(decision.method, decision.gamma, clock=clock)
+        engine.controller = fixed
+        engine.generate([list(prompts[i % len(prompts)]) for i in range(b)],
+                        [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed + i) for i in range(b)])
+        return [r for r in fixed.records if r.batch_size == b]
+
+    try:
+        for _ in range(max(rounds, 1)):
+            for b in sizes:
+                if progress:
+                    progress(f"calibrate: batch {b} AR")
+                ar[b] += [r.seconds for r in run(b, AR, steps + 2)[1:]]  # step 1 warms caches
+                for m in methods:
+                    for g in gammas:
+                        if progress:
+                            progress(f"calibrate: batch {b} {m} γ={g}")
+                        recs = run(b, Decision(m, g), (g + 1) * max(2, steps // 3) + 2)
+                        verify[b].setdefault(g + 1, []).extend(r.target_seconds for r in recs)
+                        draft.setdefault((m, b, g), []).extend(r.draft_seconds for r in recs)
+                        alphas[m] += [a for r in recs if (a := round_alpha_from_record(r)) is not None]
+    finally:
+        engine.controller = saved
+    draft_step: dict[str, dict[int, float]] = {}
+    overhead: dict[str, dict[int, float]] = {}
+    for m in methods:
+        for b in sizes:
+            by_g = {g: low_percentile(draft[(m, b, g)]) for g in gammas if draft.get((m, b, g))}
+            if not by_g:
+                continue
+            gs = sorted(by_g)
+            if len(gs) >= 2:  # draft(γ) = a + γ·c: c per draft token, a per round
+                c = max((by_g[gs[-1]] - by_g[gs[0]]) / (gs[-1] - gs[0]), 0.0)
+                a = max(by_g[gs[0]] - c * gs[0], 0.0)
+            else:
+                c, a = by_g[gs[0]] / gs[0], 0.0
+            draft_step.setdefault(m, {})[b] = c
+            overhead.setdefault(m, {})[b] = a
+    target = {b: low_percentile(xs) for b, xs in ar.items() if xs}
+    model = CostModel(target_step=target,
+                      verify_step={b: {1: target[b], **{k: low_percentile(v) for k, v in by_k.items() if v}}
+                                   for b, by_k in verify.items() if b in target},
+                      draft_step=draft_step, overhead=overhead)
+    alpha = {m: sum(xs) / len(xs) for m, xs in alphas.items() if xs}
+    return Calibration(model, alpha, time.perf_counter() - start)

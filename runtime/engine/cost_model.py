@@ -1,0 +1,181 @@
+"""The cost model of speculative decoding on this machine: expected tokens per round, and step costs per batch size.
+
+A round with draft length γ and per-token acceptance α emits L = (1 − α^(γ+1)) / (1 − α) tokens and costs
+γ·r + a + v plain steps (r: one draft token, a: the proposer's fixed work per round, v: verifying γ+1 tokens).
+`CostModel` holds the measured seconds behind r, a and v at the batch sizes measured, interpolated in between.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .control import StepRecord
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """L = (1 − α^(γ+1)) / (1 − α): expected tokens emitted by one round with γ drafts (bonus token included)."""
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    if alpha >= 1.0 - 1e-12:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, gamma: int, r: float, v: float) -> float:
+    """Speedup of one speculative round over plain decoding: L / (γ·r + v)."""
+    cost = gamma * r + v
+    if cost <= 0:
+        raise ValueError(f"round cost γ·r + v must be > 0, got {cost} (r={r}, v={v}, γ={gamma})")
+    return expected_tokens_per_round(alpha, gamma) / cost
+
+
+def alpha_from_mean_accepted(mean_accepted: float, gamma: int) -> float:
+    """Invert E[accepted drafts] = α(1 − α^γ)/(1 − α) for α (bisection; the map is increasing in α)."""
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    target = min(max(mean_accepted, 0.0), float(gamma))
+    if target <= 0.0:
+        return 0.0
+    if target >= gamma:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(24):  # 6e-8 resolution: far below the noise of one round's estimate
+        mid = (lo + hi) / 2
+        if expected_tokens_per_round(mid, gamma) - 1.0 < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def round_alpha_from_record(record: StepRecord) -> float | None:
+    """α of one speculative step from the engine's totals (None when nothing was drafted)."""
+    if record.gamma < 1 or record.draft_tokens <= 0:
+        return None
+    drafting = max(record.draft_tokens / record.gamma, 1e-9)  # sequences that drafted (ragged proposers: fewer)
+    return alpha_from_mean_accepted(record.accepted_tokens / drafting, record.gamma)
+
+
+def low_percentile(xs: Iterable[float], q: float = 0.2) -> float:
+    """The q-quantile of timings: other processes only ever add time, so a low quantile estimates the intrinsic
+    cost far more stably than the mean (the minimum would be too optimistic)."""
+    ordered = sorted(xs)
+    if not ordered:
+        raise ValueError("no samples")
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def _interp(points: Mapping[int, float], x: float) -> float:
+    """Piecewise-linear in log(batch size), clamped at the ends: step costs grow smoothly with b."""
+    keys = sorted(points)
+    if not keys:
+        raise ValueError("no calibration points")
+    if x <= keys[0]:
+        return points[keys[0]]
+    if x >= keys[-1]:
+        return points[keys[-1]]
+    i = bisect.bisect_right(keys, x)
+    a, b = keys[i - 1], keys[i]
+    w = (math.log(x) - math.log(a)) / (math.log(b) - math.log(a))
+    return points[a] * (1 - w) + points[b] * w
+
+
+def _linear_in_tokens(by_k: Mapping[int, float], tokens: int) -> float:
+    ks = sorted(by_k)
+    if tokens in by_k:
+        return by_k[tokens]
+    if len(ks) == 1:
+        return by_k[ks[0]] * tokens / ks[0]
+    lo = max([k for k in ks if k <= tokens] or [ks[0]])
+    hi = min([k for k in ks if k >= tokens] or [ks[-1]])
+    if lo == hi:  # outside the measured range: extend the nearest segment, never downhill (a noisy pair of
+        # timings under load once extrapolated the verify cost of 7 tokens to 0, and the toggle then speculated
+        # at α≈0.2 and ran at 0.76x plain decoding)
+        lo, hi = (ks[-2], ks[-1]) if tokens > ks[-1] else (ks[0], ks[1])
+        slope = max(by_k[hi] - by_k[lo], 0.0) / (hi - lo)
+        return by_k[hi] + slope * (tokens - hi) if tokens > ks[-1] else by_k[lo] - slope * (lo - tokens)
+    return by_k[lo] + (by_k[hi] - by_k[lo]) / (hi - lo) * (tokens - lo)
+
+
+@dataclass
+class CostModel:
+    """Step costs on this machine (seconds) at measured batch sizes, interpolated in between.
+
+    ``target_step[b]``: one plain decode step at batch b. ``verify_step[b][k]``: one target forward over k new
+    tokens per sequence (k = γ+1 when verifying). ``draft_step[m][b]``: proposer m's cost per draft token;
+    ``overhead[m][b]``: its fixed cost per round (e.g. a draft model's forward over the last accepted tokens).
+    """
+
+    target_step: dict[int, float]
+    verify_step: dict[int, dict[int, float]]
+    draft_step: dict[str, dict[int, float]] = field(default_factory=dict)
+    overhead: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.target_step:
+            raise ValueError("CostModel.target_step: needs at least one calibrated batch size")
+        for b, t in self.target_step.items():
+            if b < 1 or not t > 0:
+                raise ValueError(f"CostModel.target_step[{b}]: batch must be >= 1 and cost > 0, got {t}")
+
+    @property
+    def methods(self) -> list[str]:
+        return sorted(self.draft_step)
+
+    def t_ar(self, batch: int) -> float:
+        return _interp(self.target_step, batch)
+
+    def v(self, batch: int, gamma: int) -> float:
+        """verify(γ+1 tokens) / plain step at this batch size (linear in tokens between measured k)."""
+        per_b = {}
+        for b, by_k in self.verify_step.items():
+            t = self.target_step.get(b) or self.t_ar(b)
+            per_b[b] = _linear_in_tokens({**by_k, 1: t}, gamma + 1) / t
+        # verifying γ+1 tokens is never cheaper than the one-token plain step it replaces
+        return max(_interp(per_b, batch), 1.0) if per_b else float(gamma + 1)
+
+    def r(self, method: str, batch: int) -> float:
+        if method not in self.draft_step:
+            raise KeyError(f"CostModel: proposer {method!r} was not calibrated (have {self.methods})")
+        return max(_interp({b: t / self.t_ar(b) for b, t in self.draft_step[method].items()}, batch), 0.0)
+
+    def round_overhead(self, method: str, batch: int) -> float:
+        by_b = self.overhead.get(method)
+        return max(_interp({b: t / self.t_ar(b) for b, t in by_b.items()}, batch), 0.0) if by_b else 0.0
+
+    def round_cost(self, method: str, gamma: int, batch: int) -> float:
+        """Cost of one speculative round in plain steps: γ·r + v (+ the proposer's per-round overhead)."""
+        return gamma * self.r(method, batch) + self.v(batch, gamma) + self.round_overhead(method, batch)
+
+    def speedup(self, method: str, gamma: int, batch: int, alpha: float) -> float:
+        return expected_tokens_per_round(alpha, gamma) / self.round_cost(method, gamma, batch)
+
+    def best_gamma(self, method: str, batch: int, alpha: float, gammas: Iterable[int]) -> tuple[int, float]:
+        """The γ in `gammas` with the highest predicted speedup (shorter on ties), and that speedup."""
+        r, a = self.r(method, batch), self.round_overhead(method, batch)
+        best = (-1.0, 0)
+        for g in sorted(gammas):
+            s = expected_tokens_per_round(alpha, g) / (g * r + a + self.v(batch, g))
+            if s > best[0]:
+                best = (s, g)
+        return best[1], best[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_step": self.target_step, "verify_step": self.verify_step,
+                "draft_step": self.draft_step, "overhead": self.overhead}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
+        def ints(d: Mapping[Any, Any]) -> dict[int, float]:
+            return {int(k): float(v) for k, v in d.items()}
+
+        return cls(target_step=ints(data["target_step"]),
+                   verify_step={int(b): ints(by_k) for b, by_k in data["verify_step"].items()},
+                   draft_step={m: ints(v) for m, v in data.get("draft_step", {}).items()},
+                   overhead={m: ints(v) for m, v in data.get("overhead", {}).items()})
