@@ -358,18 +358,20 @@ class TransformerRunner:
                              self.dtype, self.device)
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def plan(self, slot0: int, starts: list[int], tokens: int, lens: list[int] | None = None) -> ForwardPlan:
+    def plan(self, slot0: int, starts: list[int], tokens: int, lens: list[int] | None = None,
+             cache_len: int | None = None) -> ForwardPlan:
         """Row b feeds positions starts[b] .. starts[b]+lens[b]-1 (lens: default all `tokens`; a shorter row is
         right-padded). Attention reads keys up to the longest row's real end, and padding writes its K/V to the
-        last position (`max_positions - 1`, scratch the caller never uses for a real token): a padded row
-        beside a long one must not address positions past any real sequence (nor past the cache)."""
+        last position of the cache (`cache_len - 1`, scratch the caller never uses for a real token): a padded
+        row beside a long one must not address positions past any real sequence, nor past the cache."""
         b = len(starts)
         dev = self.device
         real = lens if lens is not None else [tokens] * b
         kv_len = max(s + n for s, n in zip(starts, real))
         padded = tokens > min(real)
-        if kv_len > self.max_positions - padded:  # padding needs the scratch position free
-            raise ValueError(f"max_model_len: position {kv_len} exceeds the rotary table ({self.max_positions})")
+        scratch = min(cache_len or self.max_positions, self.max_positions) - 1
+        if kv_len > scratch + (not padded):  # padding needs the scratch position free
+            raise ValueError(f"max_model_len: position {kv_len} exceeds the context ({scratch + 1} positions)")
         ar = torch.arange(tokens, device=dev)
         if b == 1:
             positions = (ar + starts[0]).unsqueeze(0)
@@ -377,7 +379,7 @@ class TransformerRunner:
             positions = torch.tensor(starts, device=dev).unsqueeze(1) + ar.unsqueeze(0)
         if padded:
             pad = ar.unsqueeze(0) >= torch.tensor(real, device=dev).unsqueeze(1)
-            positions = positions.masked_fill(pad, self.max_positions - 1)
+            positions = positions.masked_fill(pad, scratch)
         mask = None
         # One new token per row and equal lengths (batch 1, or a GRPO group of one prompt): every cached key is
         # visible, so no mask (SDPA is cheaper without one).
@@ -440,7 +442,7 @@ class TransformerRunner:
         feature-level drafter's prefill needs, without [B, T, V] logits (16 x 1024 tokens x 152k vocab is ~10 GB
         of float32).
         """
-        plan = self.plan(slot0, starts, tokens.shape[1], lens)
+        plan = self.plan(slot0, starts, tokens.shape[1], lens, cache.max_len)
         h = F.embedding(tokens, self.embed)
         h = self.layers_forward(h, cache, plan, num_layers)
         if last_index is None:

@@ -186,7 +186,7 @@ class _EagleRunner(TransformerRunner):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] + next tokens [B, T] (row b right-padded after lens[b]) -> (draft logits fp32,
         predicted features)."""
-        plan = self.plan(0, starts, tokens.shape[1], lens)
+        plan = self.plan(0, starts, tokens.shape[1], lens, cache.max_len)
         x = self.fc(torch.cat([F.embedding(tokens, self.target_runner.embed), features], dim=-1))
         g = self.layers_forward(x, cache, plan)
         if last_index is not None:

@@ -385,12 +385,12 @@ def test_bfloat16_engine_greedy_sd_equals_ar(method: str, target, draft) -> None
 
 def test_ragged_forward_reads_only_up_to_the_longest_real_row(target) -> None:
     """A right-padded row beside a long one: keys up to the longest *real* end, padding written to scratch."""
-    runner = TransformerRunner(target, max_positions=40)
-    plan = runner.plan(0, [30, 0], 9, lens=[1, 9])
+    runner = TransformerRunner(target)
+    plan = runner.plan(0, [30, 0], 9, lens=[1, 9], cache_len=40)
     assert plan.kv_len == 31  # not max(starts) + width = 39
     assert plan.positions[0].tolist() == [30] + [39] * 8 and plan.positions[1].tolist() == list(range(9))
     with pytest.raises(ValueError, match="max_model_len"):
-        runner.plan(0, [39, 0], 2, lens=[1, 2])  # the scratch position must stay free
+        runner.plan(0, [39, 0], 2, lens=[1, 2], cache_len=40)  # the scratch position must stay free
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
