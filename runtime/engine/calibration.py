@@ -43,7 +43,8 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
 
     For every batch size b (prompts are cycled to fill it) the engine decodes with plain steps (-> t(b)) and with
     every proposer at every γ in `gammas` (-> the verify cost of γ+1 tokens from the target part of the step, and
-    the draft cost split into a per-token and a per-round part from two γ). Only steps at exactly batch b count;
+    the draft cost split into a per-token and a per-round part from two γ). Only steps at exactly batch b that ran
+    the decision unchanged count;
     rounds are interleaved so a burst of load spreads over every measurement. The engine's controller is
     restored afterwards; its stats keep the calibration steps (they are real decode steps).
     """
@@ -68,7 +69,11 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
         engine.controller = fixed
         engine.generate([list(prompts[i % len(prompts)]) for i in range(b)],
                         [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed + i) for i in range(b)])
-        return [r for r in fixed.records if r.batch_size == b]
+        # Only steps that ran the decision as asked: at exactly batch b, and not a step whose γ was capped at the
+        # rows' remaining budget or that decoded plainly because every row ended within one token (a drafter
+        # that is always accepted ends every run so; its zero draft time would make drafting look free).
+        return [r for r in fixed.records if r.batch_size == b and r.method == decision.method
+                and r.gamma == decision.gamma]
 
     try:
         for _ in range(max(rounds, 1)):

@@ -450,3 +450,17 @@ def test_acceptance_accounting_is_per_drafting_row(method: str, target, draft) -
     assert sum(s.accepted_per_position) == s.accepted_tokens
     assert s.drafts <= sum(r.batch_size for r in sd)
     assert 1.0 <= s.acceptance_length <= 1 + max(r.gamma for r in sd)
+
+
+def test_calibration_times_only_the_steps_that_ran_the_decision(target) -> None:
+    """A drafter accepted every time ends a run with a plain step (every row within one token of its budget): that
+    step drafted nothing and must not make drafting look free (it made the adaptive policy pick the slowest
+    proposer on the long-tail bench)."""
+    from specrl.runtime.engine.calibration import calibrate
+
+    engine = RolloutEngine(target, SpeculativeConfig(method="draft_model"), draft_model=target, max_batch_size=2)
+    cal = calibrate(engine, PROMPTS[:2], methods=["draft_model"], batch_sizes=(1, 2), gammas=(2, 4), steps=3,
+                    rounds=1)
+    assert cal.alpha["draft_model"] > 0.99  # the draft is the target: p == q, every draft accepted
+    for b in (1, 2):
+        assert cal.cost_model.round_cost("draft_model", 2, b) > cal.cost_model.v(b, 2)
