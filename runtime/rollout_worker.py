@@ -103,8 +103,8 @@ def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int, model_pos
 
 def engine_dtype(param_dtype: str) -> str:
     """The native engines' compute dtype for spec.model.dtype. The default float32 parameters run "auto", as the
-    bench does: bfloat16 on a CPU with native bf16 kernels (plain decoding ~1.7x faster and a 5-token verify
-    ~1.1 plain steps instead of ~1.8), float32 elsewhere. A bfloat16/float16 spec runs as given. (The CRD
+    bench does: bfloat16 on a CPU with native bf16 kernels (measured here: a 5-token verify costs ~1.1 plain steps
+    instead of ~1.8 in float32), float32 elsewhere. A bfloat16/float16 spec runs as given. (The CRD
     defaults the field, so a spec cannot pin float32 apart from the default: the float32 reference is
     `RolloutEngine(dtype=None)`, which the lossless tests use.)"""
     return "auto" if param_dtype == "float32" else param_dtype
