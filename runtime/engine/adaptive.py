@@ -293,7 +293,8 @@ class AdaptiveController:
         the argmax's γ at every batch size with the current estimates (no hysteresis, no probes)."""
         ranges: list[list[int]] = []
         for b in range(1, max_batch + 1):
-            options = self.table(b) if self.methods else {None: (1.0, AR)}
+            options: dict[str | None, tuple[float, Decision]] = \
+                self.table(b) if self.methods else {None: (1.0, AR)}
             k = options[max(options, key=lambda o: options[o][0])][1].gamma if options else self.settings.gamma
             if ranges and ranges[-1][2] == k:
                 ranges[-1][1] = b

@@ -69,6 +69,7 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
         engine.controller = fixed
         engine.generate([list(prompts[i % len(prompts)]) for i in range(b)],
                         [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=seed + i) for i in range(b)])
+        assert fixed.records is not None  # a controller with a clock records every step
         # Only steps that ran the decision as asked: at exactly batch b, and not a step whose γ was capped at the
         # rows' remaining budget or that decoded plainly because every row ended within one token (a drafter
         # that is always accepted ends every run so; its zero draft time would make drafting look free).
