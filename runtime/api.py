@@ -332,8 +332,9 @@ class SpeculativeSpec(_Strict):
     method: Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp"] = Field(
         default="none", description=(
             "none: plain decoding; draft_model: a small LM; ngram: prompt lookup; layer_skip: early exit of the "
-            "policy; quantized_self: an int8 copy of the policy; eagle: a feature-level head (fresh when no "
-            "draftModel); eagle3, mtp: rolloutEngine vllm only."))
+            "policy; quantized_self: a weight-quantized copy of the policy (4-bit where the CPU has the int4 "
+            "kernel, else int8); eagle: a feature-level head (fresh when no draftModel); eagle3, mtp: "
+            "rolloutEngine vllm only."))
     draft_model: str | None = Field(default=None, min_length=1, max_length=MAX_REF, description=(
         "Drafter weights (HF id, local path or builtin:*-draft); required for draft_model and eagle3, optional for eagle."))
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description=(
