@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..scheduling import PromptItem, WorkerState, chunk_size, may_rollout
-from .placement import Placement, kill_actors, serve_metrics_from
+from .placement import Placement, kill_actors
 from .records import acceptance_length
 from .shared import Shared
 
@@ -60,10 +60,8 @@ class RolloutPool:
 
         with self.sh.lock:
             self.sh.table.add(name, "rollout", node_id)
-        actor: Any = ray.remote(RolloutWorker).options(**self.placement.options(name, "rollout", node_id)).remote(
-            self.sh.settings, name)
-        if self.placement.cluster:
-            serve_metrics_from(actor, name, "rollout", self.sh.series)
+        actor: Any = self.placement.start(RolloutWorker, name, "rollout", node_id, self.sh.series,
+                                          self.sh.settings, name)
         with self.sh.lock:
             self.actors[name] = actor
         self.sh.series.of(name, "rollout")

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ..scheduling import LedgerError, split_even
-from .placement import Placement, kill_actors, serve_metrics_from
+from .placement import Placement, kill_actors
 from .recovery import TrainerHealth
 from .shared import Shared
 
@@ -61,16 +61,12 @@ class TrainerGroup:
         return next(iter(self.actors.values()))
 
     def _spawn(self, name: str, rank: int, world: int, node_id: str | None) -> None:
-        import ray
-
         from ..rl.trainer import TrainerWorker
 
         with self.sh.lock:
             self.sh.table.add(name, "trainer", node_id)
-        opts = self.placement.options(name, "trainer", node_id)
-        self.actors[name] = ray.remote(TrainerWorker).options(**opts).remote(self.sh.settings, rank, world, name)
-        if self.placement.cluster:
-            serve_metrics_from(self.actors[name], name, "trainer", self.sh.series)
+        self.actors[name] = self.placement.start(TrainerWorker, name, "trainer", node_id, self.sh.series,
+                                                 self.sh.settings, rank, world, name)
 
     def start(self, names: list[str], node_ids: dict[str, str] | None = None) -> None:
         import ray
