@@ -350,7 +350,8 @@ class TransformerRunner:
             return None
         w = torch.cat([q_norm.weight.detach().expand(self.num_heads, -1),
                        k_norm.weight.detach().expand(self.num_kv_heads, -1)])
-        return w.view(1, self.num_heads + self.num_kv_heads, 1, self.head_dim)
+        # in the activations' dtype: a float32 norm weight would promote k (and the cache write) to float32
+        return w.view(1, self.num_heads + self.num_kv_heads, 1, self.head_dim).to(self.dtype)
 
     # ---- cache ---------------------------------------------------------------------------------------------
     def new_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> StaticKVCache:
