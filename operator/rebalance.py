@@ -60,7 +60,7 @@ class WorkerState:
 
     name: str
     role: str
-    state: str  # active | draining | retired
+    state: str  # active | draining | retired | lost (died: its pod is being replaced, never deleted for it)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,13 @@ class WorkerState(str, Enum):
     ACTIVE = "active"
     DRAINING = "draining"
     RETIRED = "retired"
+    # Died (its process or node is gone): the pod has failed and is being replaced, so the operator must not
+    # delete a pod for it — by the time it reads the state, the pod under that name may be the replacement.
+    LOST = "lost"
+
+    @property
+    def gone(self) -> bool:
+        return self in (WorkerState.RETIRED, WorkerState.LOST)
 
 
 class Phase(str, Enum):
@@ -268,7 +275,7 @@ class WorkerTable:
     retired_identities: set[str] = field(default_factory=set)
 
     def add(self, name: str, role: str, identity: str | None = None) -> WorkerRecord:
-        if name in self.workers and self.workers[name].state != WorkerState.RETIRED:
+        if name in self.workers and not self.workers[name].state.gone:
             raise ValueError(f"worker {name!r} already exists")
         if identity is not None and identity in self.retired_identities:
             raise ValueError(f"worker {name!r} on {identity} was retired; only a new pod may join under its name")
@@ -285,9 +292,11 @@ class WorkerTable:
             rec.state = WorkerState.DRAINING
         return rec
 
-    def retire(self, name: str) -> None:
+    def retire(self, name: str, lost: bool = False) -> None:
+        """Out of the job for good: `lost` when it died (its pod is being replaced), else retired (its pod may
+        live on until the operator deletes it)."""
         rec = self.workers[name]
-        rec.state = WorkerState.RETIRED
+        rec.state = WorkerState.LOST if lost else WorkerState.RETIRED
         if rec.identity is not None:
             self.retired_identities.add(rec.identity)
 

@@ -33,7 +33,6 @@ from ..rl.settings import RunSettings
 from ..scheduling import (
     Phase,
     PromptLedger,
-    WorkerState,
     is_long_tail,
     step_items,
     step_prompt_indices,
@@ -517,7 +516,7 @@ class JobCoordinator:
     def worker_names(self) -> dict[str, list[str]]:
         with self.lock:
             return {"rollout": self.table.active("rollout"), "trainer": self.table.active("trainer"),
-                    "retired": [w.name for w in self.table.workers.values() if w.state == WorkerState.RETIRED]}
+                    "retired": [w.name for w in self.table.workers.values() if w.state.gone]}
 
     def shutdown(self) -> None:
         if self.http is not None:

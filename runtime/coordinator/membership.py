@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..scheduling import WorkerState, WorkerTable
+from ..scheduling import WorkerTable
 
 ROLES = ("trainer", "rollout")
 
@@ -59,7 +59,7 @@ def joiners(found: Iterable[Member], table: WorkerTable) -> list[Member]:
         if m.node_id in table.retired_identities:
             continue
         rec = table.workers.get(m.name)
-        if rec is not None and rec.state != WorkerState.RETIRED:
+        if rec is not None and not rec.state.gone:
             continue
         out.append(m)
     return out

@@ -85,11 +85,11 @@ class RolloutPool:
         busy = self.busy()
         return [n for n in self.schedulable() if n not in busy]
 
-    def retire(self, name: str, reason: str) -> None:
+    def retire(self, name: str, reason: str, lost: bool = False) -> None:
         with self.sh.lock:
-            if self.sh.table.workers[name].state == WorkerState.RETIRED:
+            if self.sh.table.workers[name].state.gone:
                 return
-            self.sh.table.retire(name)
+            self.sh.table.retire(name, lost=lost)
         actor = self.actors.pop(name, None)
         log.info("worker %s retired (%s)", name, reason)
         if actor is not None:
@@ -166,7 +166,7 @@ class RolloutPool:
                 self._task_failed(chunk, exc)
                 continue
             except Exception as exc:  # noqa: BLE001 - anything else Ray raises means the worker is gone
-                self.worker_lost(name, f"died: {type(exc).__name__}")
+                self.worker_lost(name, f"died: {type(exc).__name__}", died=True)
                 continue
             self._accept(name, chunk.items, out)
             with self.sh.lock:
@@ -175,8 +175,9 @@ class RolloutPool:
                 self.retire(name, "drained")
         self._expire_hung()
 
-    def worker_lost(self, name: str, reason: str) -> None:
-        """`name` is gone (dead, hung, unreachable): its prompts go back to the queue, it retires for good."""
+    def worker_lost(self, name: str, reason: str, died: bool = False) -> None:
+        """`name` is gone (dead, hung, unreachable): its prompts go back to the queue, it retires for good
+        (`died`: lost, its pod is being replaced; a hung one is retired, the operator replaces its pod)."""
         for ref in [r for r, c in self.in_flight.items() if c.worker == name]:
             del self.in_flight[ref]
         with self.sh.lock:
@@ -185,7 +186,7 @@ class RolloutPool:
             log.warning("rollout worker %s %s: requeueing %d prompt(s)", name, reason, len(back))
         self.sh.series.of(name, "rollout").prompts_requeued.inc(len(back))
         self.sh.cm.prompts_requeued.inc(len(back))
-        self.retire(name, reason)
+        self.retire(name, reason, lost=died)
 
     def _task_failed(self, chunk: Chunk, exc: BaseException) -> None:
         cause = getattr(exc, "cause", None) or exc

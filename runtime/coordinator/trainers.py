@@ -159,7 +159,7 @@ class TrainerGroup:
                 except Exception as exc:  # noqa: BLE001 - it is dead already
                     log.debug("kill %s: %s", name, exc)
             with self.sh.lock:
-                self.sh.table.retire(name)
+                self.sh.table.retire(name, lost=True)
             self.sh.series.drop(name)
             log.warning("trainer %s dropped from the group", name)
 

@@ -69,7 +69,10 @@ class WeightSync:
                 ray.get(ref)
                 alive.append(name)
             except Exception as exc:  # noqa: BLE001 - dead, hung or unreachable: left out of the sync
-                self.rollouts.worker_lost(name, f"lost before weight sync: {type(exc).__name__}")
+                # a timeout is a hung worker (its pod lives: retired, the operator replaces it); an error is
+                # a dead one (its pod failed and is being replaced: lost)
+                self.rollouts.worker_lost(name, f"lost before weight sync: {type(exc).__name__}",
+                                          died=not isinstance(exc, TimeoutError))
         return alive
 
     def sync(self, version: int) -> dict[str, float]:

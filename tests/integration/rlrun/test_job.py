@@ -189,7 +189,7 @@ def test_drain_and_worker_death_mid_rollout_lose_nothing(local_ray, micro):
         history = _finish(t, box)
         assert drained and killed, "could not catch the workers mid-rollout"
         states = {w["name"]: w["state"] for w in coord.status()["workers"]}
-        assert states["micro-rollout-1"] == "retired" and states["micro-rollout-2"] == "retired"
+        assert states["micro-rollout-1"] == "retired" and states["micro-rollout-2"] == "lost"  # drained / died
         assert states["micro-rollout-0"] == "active"
         assert coord.ledger.requeued >= 1  # the killed worker's chunk went back to the queue
         assert len(history) == 2

@@ -717,6 +717,13 @@ async def test_a_retired_pod_outside_a_move_is_moved_or_replaced(env):
     uid = {p.name: p.uid for p in kube.pods()}["j-rollout-0"]
     await run(rt, kube, body)
     assert {p.name: p.uid for p in kube.pods()}["j-rollout-0"] == uid
+    # A worker that died is "lost": its pod has already been replaced under the same name (the coordinator
+    # reported the old member active while the new pod existed), so nothing is deleted for it.
+    coord.state["workers"] = [{"name": "j-rollout-0", "role": "rollout", "state": "active"}]
+    await run(rt, kube, body)
+    coord.state["workers"] = [{"name": "j-rollout-0", "role": "rollout", "state": "lost"}]
+    await run(rt, kube, body)
+    assert {p.name: p.uid for p in kube.pods()}["j-rollout-0"] == uid
 
 
 async def test_no_rebalance_while_a_worker_pod_is_not_ready(env):

@@ -36,6 +36,20 @@ def test_a_drained_worker_stays_retired_while_its_pod_lives_and_a_recreated_pod_
         WorkerTable(retired_identities={"n1"}).add("j-rollout-1", "rollout", "n1")
 
 
+def test_a_dead_worker_is_lost_not_retired_and_its_replacement_joins():
+    # Lost, not retired: the operator deletes the pod of a retired worker by name, and by the time it reads a
+    # dead worker's state the pod under that name is the replacement it already created.
+    t = WorkerTable()
+    t.add("j-trainer-0", "trainer", "n0")
+    t.retire("j-trainer-0", lost=True)
+    assert t.workers["j-trainer-0"].state == WorkerState.LOST
+    assert t.as_status() == [{"name": "j-trainer-0", "role": "trainer", "state": "lost"}]
+    # the dead node may still be listed alive for a moment: never a joiner
+    assert joiners(members_from_nodes([_node("j-trainer-0", "n0")], "j"), t) == []
+    (m,) = joiners(members_from_nodes([_node("j-trainer-0", "n0b")], "j"), t)
+    assert t.add(m.name, m.role, m.node_id).state == WorkerState.ACTIVE
+
+
 def test_a_second_pod_under_an_active_name_waits_until_the_first_is_retired():
     t = WorkerTable()
     t.add("j-trainer-0", "trainer", "a")
