@@ -8,13 +8,10 @@ name is another node), else through the pod's custom resource.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-PLACE_TIMEOUT_S = 30.0
 
 
 def role_resource(role: str) -> str:
@@ -61,36 +58,13 @@ class Placement:
 
     def start(self, cls: type, name: str, role: str, node_id: str | None, series: Any, *args: Any) -> Any:
         """Start `name`'s worker actor of class `cls` with `args`; in a cluster, pinned to its pod and serving the
-        pod's own metrics.
-
-        A pod's Ray node can be listed alive a moment before the scheduler's view of the cluster has it (a
-        recreated pod joins within a second of its raylet starting): an actor pinned to it by hard node
-        affinity then fails at once as unschedulable. That is retried, for up to PLACE_TIMEOUT_S, while the
-        node is still alive; any other failure is the caller's to handle."""
+        pod's own metrics."""
         import ray
-        from ray.exceptions import ActorUnschedulableError
 
-        deadline = time.monotonic() + PLACE_TIMEOUT_S
-        delay = 0.25
-        while True:
-            actor: Any = ray.remote(cls).options(**self.options(name, role, node_id)).remote(*args)
-            if not self.cluster:
-                return actor
-            try:
-                serve_metrics_from(actor, name, role, series)  # its first call: proves the actor was placed
-                return actor
-            except ActorUnschedulableError:
-                if time.monotonic() + delay > deadline or not _node_alive(node_id):
-                    raise
-                log.info("%s: Ray node %s not schedulable yet; retrying in %.2f s", name, node_id, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 4.0)
-
-
-def _node_alive(node_id: str | None) -> bool:
-    import ray
-
-    return node_id is not None and any(n.get("NodeID") == node_id and n.get("Alive") for n in ray.nodes())
+        actor: Any = ray.remote(cls).options(**self.options(name, role, node_id)).remote(*args)
+        if self.cluster:
+            serve_metrics_from(actor, name, role, series)
+        return actor
 
 
 def kill_actors(actors: dict[str, Any]) -> None:
