@@ -329,16 +329,20 @@ def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall:
     return summary
 
 
+def _paired(c: dict[str, Any]) -> str:
+    """A paired before/after comparison (significance.paired_comparison) in one line."""
+    (b0, b1), (a0, a1), (lo, hi) = c["before_ci"], c["after_ci"], c["difference_ci"]
+    return (f"{c['before']:.3f} [{b0:.3f}, {b1:.3f}] -> {c['after']:.3f} [{a0:.3f}, {a1:.3f}]; "
+            f"gain {c['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}], McNemar p={c['p_value']:.2g}")
+
+
 def story_lines(summary: dict[str, Any]) -> list[str]:
     """What the run showed, in a few lines: held-out gain, the long tail, speculation's effect, the time split."""
     lines = []
     h = summary.get("heldout")
     if h:
-        lo, hi = h["difference_ci"]
         lines.append(f"held-out accuracy ({h['n']} samples: {h['problems']} unseen problems x {h['samples_per_problem']}"
-                     f" at T={h['temperature']:g}): {h['before']:.3f} [{h['before_ci'][0]:.3f}, {h['before_ci'][1]:.3f}]"
-                     f" -> {h['after']:.3f} [{h['after_ci'][0]:.3f}, {h['after_ci'][1]:.3f}]; "
-                     f"gain {h['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}], McNemar p={h['p_value']:.2g}")
+                     f" at T={h['temperature']:g}): {_paired(h)}")
     if summary.get("reward_start") is not None:
         lines.append(f"reward (rollouts, mean of first/last 5 steps): {_mean(summary['reward_per_step'][:5]):.3f} -> "
                      f"{_mean(summary['reward_per_step'][-5:]):.3f}")
@@ -361,9 +365,7 @@ def story_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(line)
     g = summary.get("greedy_heldout")
     if g:
-        lo, hi = g["difference_ci"]
-        lines.append(f"greedy held-out accuracy ({g['problems']} unseen problems): {g['before']:.3f} -> {g['after']:.3f};"
-                     f" gain {g['difference']:+.3f} [{lo:+.3f}, {hi:+.3f}], McNemar p={g['p_value']:.2g}")
+        lines.append(f"greedy held-out accuracy ({g['problems']} unseen problems): {_paired(g)}")
     if "greedy_sd_equals_ar" in summary:
         lines.append(f"greedy held-out outputs token-identical with speculation on and off: "
                      f"{'yes' if summary['greedy_sd_equals_ar'] else 'NO'}")
