@@ -522,6 +522,13 @@ class FaultToleranceSpec(_Strict):
     prompt_retries: int = Field(default=2, alias="promptRetries", ge=0, le=100, description=(
         "A prompt whose rollout raised (a task error, not a worker death) is retried alone this many times, then "
         "dropped with a counted reason (specrl_rollout_prompts_dropped_total)."))
+    collective_timeout_seconds: float = Field(default=300.0, alias="collectiveTimeoutSeconds", ge=1, le=3600,
+                                              description=(
+        "The trainers' data-parallel group: a gradient all-reduce (or a group rendezvous) that waits longer on a "
+        "peer fails, so a trainer that hangs without dying (a frozen process, a silent network partition) is "
+        "found within twice this time and the job recovers from a survivor or its checkpoint. Must exceed the "
+        "slowest rank's lead over the fastest within one optimizer step, and be under half of "
+        "progressDeadlineSeconds."))
 
 
 class CheckpointSpec(_Strict):
@@ -546,6 +553,10 @@ class RLJobSpec(_Strict):
          "speculative methods layer_skip and quantized_self run on rolloutEngine: native only", ".rolloutEngine"),
         ("self.rolloutEngine != 'vllm' || self.resources.gpusPerPod >= 1",
          "rolloutEngine vllm needs resources.gpusPerPod >= 1 (vLLM runs on GPUs)", ".rolloutEngine"),
+        (("self.progressDeadlineSeconds == 0 || "
+          "2.0 * double(self.faultTolerance.collectiveTimeoutSeconds) < double(self.progressDeadlineSeconds)"),
+         "faultTolerance.collectiveTimeoutSeconds must be under half of progressDeadlineSeconds",
+         ".faultTolerance.collectiveTimeoutSeconds"),
     ))
 
     model: ModelSpec = Field(default_factory=ModelSpec, description="The policy model.")
@@ -593,6 +604,11 @@ class RLJobSpec(_Strict):
                                               "(vLLM has no such proposer)")))
         if self.rollout_engine == "vllm" and self.resources.gpus_per_pod == 0:
             problems.append(("rolloutEngine", "vllm needs GPUs (resources.gpusPerPod >= 1)"))
+        bound = self.fault_tolerance.collective_timeout_seconds
+        if self.progress_deadline_seconds and 2 * bound >= self.progress_deadline_seconds:
+            problems.append(("faultTolerance.collectiveTimeoutSeconds", (
+                f"{bound:g}s: a hung trainer is found after up to twice this time, which must be under "
+                f"progressDeadlineSeconds ({self.progress_deadline_seconds}s)")))
         _raise(problems)
         return self
 

@@ -368,20 +368,34 @@ class JobCoordinator:
         for _attempt in range(RECOVERY_ATTEMPTS):
             refs = self.trainer_group.start_training(step, samples)
             try:
-                if self.settings.mode == "async":
-                    # Rollouts for the next steps keep running on the old weights while the trainers work.
-                    while len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
-                        self._handle_drains_and_joins()
-                        self.pool.dispatch()
-                        self.pool.wait(timeout=0.1)
-                return ray.get(refs)
+                return self._gather_training(refs)
             except Exception as exc:  # noqa: BLE001 - a trainer death is recovered; anything else is re-raised
-                # The survivors' all-reduce with a dead peer fails fast (its socket closed): let them all return.
-                ray.wait(refs, num_returns=len(refs), timeout=60.0)
+                # Let the other ranks return before asking for their health (a trainer answers one call at a
+                # time). Their all-reduce with a dead peer fails fast (its socket closed), with a hung one after
+                # the group's timeout; a rank still computing meets the broken group at its next all-reduce.
+                ray.wait(refs, num_returns=len(refs), timeout=self.settings.collective_timeout_s)
                 plan = self._recover_trainers(exc)
                 if plan.action == Action.APPLIED:
                     return [out for out in (_result_or_none(r) for r in refs) if out is not None]
         raise TrainerLost(f"step {step}: trainers kept dying ({RECOVERY_ATTEMPTS} recoveries in a row)")
+
+    def _gather_training(self, refs: list) -> list[dict]:
+        """Every rank's result of one GRPO update; the first rank that fails raises at once, while a peer may
+        still hang (a frozen trainer never returns: its peers' all-reduce times out, and they fail)."""
+        import ray
+
+        pending = list(refs)
+        while pending:
+            # Async mode: rollouts for the next steps keep running on the old weights while the trainers work.
+            poll = 0.0 if self.settings.mode == "async" else 1.0
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=poll)
+            for ref in ready:
+                ray.get(ref)  # a failed rank raises here
+            if pending and self.settings.mode == "async":
+                self._handle_drains_and_joins()
+                self.pool.dispatch()
+                self.pool.wait(timeout=0.1)
+        return ray.get(refs)
 
     def _with_trainers(self, call: Callable[[], T]) -> T:
         """`call()`, and again after a trainer recovery if it failed because a trainer died."""
@@ -404,7 +418,7 @@ class JobCoordinator:
         if not dead:
             raise cause
         log.warning("trainer(s) %s died (%s); recovering", ", ".join(dead), str(cause).splitlines()[0][:200])
-        tg.drop(dead)
+        tg.drop(dead, frozenset(h.name for h in health if h.hung))
         if not self.placement.cluster:
             for name in dead:  # locally nothing recreates a pod: a new actor takes the dead one's place
                 tg.request_join(name)
@@ -426,6 +440,7 @@ class JobCoordinator:
         log.warning("trainer recovery: %s (%s)", plan.action.value, plan.reason)
         with self.lock:
             self.recoveries.append({"step": self.step, "action": plan.action.value, "lost": list(plan.dead),
+                                    "hung": [h.name for h in health if h.hung],
                                     "source": plan.source, "reason": plan.reason})
         if plan.action == Action.FAIL:
             raise TrainerLost(plan.reason)

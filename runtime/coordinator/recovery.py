@@ -37,6 +37,7 @@ class TrainerHealth:
     alive: bool
     weight_version: int = -1
     torn: bool = False
+    hung: bool = False  # not alive because it did not answer (its process and pod may live on), not because it died
 
 
 @dataclass(frozen=True)

@@ -141,14 +141,16 @@ class TrainerGroup:
                     raise TimeoutError(f"no answer within {timeout_s:g}s")
                 h = ray.get(ref)
                 out.append(TrainerHealth(name, True, int(h["weight_version"]), bool(h["torn"])))
-            except Exception as exc:  # noqa: BLE001 - dead, hung or unreachable: lost
-                log.warning("trainer %s is lost: %s", name, _first_line(exc))
-                out.append(TrainerHealth(name, False))
+            except Exception as exc:  # noqa: BLE001 - dead, hung or unreachable: out of the group
+                hung = isinstance(exc, TimeoutError)
+                log.warning("trainer %s is %s: %s", name, "hung" if hung else "lost", _first_line(exc))
+                out.append(TrainerHealth(name, False, hung=hung))
         return out
 
-    def drop(self, names: list[str]) -> None:
+    def drop(self, names: list[str], hung: frozenset[str] = frozenset()) -> None:
         """Forget dead trainers: their actors are killed (in case one is only hung) and their identities retired,
-        so only a new pod (or, locally, a respawned actor) takes their place."""
+        so only a new pod (or, locally, a respawned actor) takes their place. A dead one is `lost` (its pod failed
+        and is being recreated); one in `hung` is retired: its pod lives on, and the operator replaces it."""
         import ray
 
         for name in names:
@@ -159,7 +161,7 @@ class TrainerGroup:
                 except Exception as exc:  # noqa: BLE001 - it is dead already
                     log.debug("kill %s: %s", name, exc)
             with self.sh.lock:
-                self.sh.table.retire(name, lost=True)
+                self.sh.table.retire(name, lost=name not in hung)
             self.sh.series.drop(name)
             log.warning("trainer %s dropped from the group", name)
 

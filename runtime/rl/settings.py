@@ -66,6 +66,7 @@ class RunSettings:
     reward_timeout_s: float = 30.0
     sync_timeout_s: float = 120.0
     chunk_timeout_s: float = 900.0
+    collective_timeout_s: float = 300.0  # the trainers' data-parallel group (spec.faultTolerance)
     prompt_retries: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -153,6 +154,7 @@ def settings_from_job(job: Any) -> RunSettings:
         sync_timeout_s=spec.weight_sync.timeout_seconds,
         chunk_timeout_s=spec.fault_tolerance.rollout_chunk_timeout_seconds,
         prompt_retries=spec.fault_tolerance.prompt_retries,
+        collective_timeout_s=spec.fault_tolerance.collective_timeout_seconds,
         extra={"speculative": sp.model_dump(by_alias=True, exclude_none=True)},
     )
 

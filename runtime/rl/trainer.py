@@ -263,8 +263,13 @@ class TrainerWorker:
                              f"(use {own!r})")
         backend = own
         if self.world_size > 1 and not dist.is_initialized():
+            import datetime
+
+            # Bounded (spec.faultTolerance.collectiveTimeoutSeconds), not torch's 30 min: an all-reduce waiting on
+            # a peer that hangs without dying fails, and the coordinator's trainer recovery takes over.
             dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=self.rank, world_size=self.world_size)
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=self.settings.collective_timeout_s))
         self._dp_ready = True
         return True
 

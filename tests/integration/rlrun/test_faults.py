@@ -333,3 +333,58 @@ def test_the_last_trainer_dying_rolls_the_job_back_to_its_checkpoint(local_ray, 
         assert coord.status()["weightVersion"] == 4
     finally:
         coord.shutdown()
+
+
+def _stop_in_next_all_reduce(self) -> int:
+    """Make this trainer's process freeze itself (SIGSTOP: alive, its sockets open, silent) on entering its next
+    gradient all-reduce, while its peer is in it. Returns the process id."""
+    real = self._all_reduce_grads
+
+    def stop() -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        real()
+
+    self._all_reduce_grads = stop
+    return os.getpid()
+
+
+def test_a_trainer_frozen_mid_all_reduce_is_found_within_the_collective_timeout(local_ray, micro):
+    """Trainer rank 1 freezes (SIGSTOP, not a death) inside step 1's all-reduce. Rank 0's all-reduce fails after
+    faultTolerance.collectiveTimeoutSeconds (not torch's 30 min), the frozen rank answers no health check and is
+    dropped, rank 0 (still on version 1) reseeds the group with a respawned trainer-1, and step 1 is trained
+    again: the job completes with every prompt trained once, well within the bound."""
+    import ray
+
+    from tests.integration.rlrun.micro import micro_settings
+
+    timeout_s = 4.0
+    s = micro_settings(steps=3, trainers=2, rollouts=1, drafter_training=False, collective_timeout_s=timeout_s)
+    coord = JobCoordinator(s)
+    frozen = None
+    try:
+        coord.start()
+        coord.run_step()
+        frozen = ray.get(coord.trainers[f"{s.job}-trainer-1"].__ray_call__.remote(_stop_in_next_all_reduce))
+        t0 = time.monotonic()
+        coord.run_step()  # step 1: trained after the recovery
+        recovered_s = time.monotonic() - t0
+        coord.run()
+        _exactly_once(coord, 3)
+        ((rec,),) = [coord.status()["trainerRecoveries"]]
+        assert (rec["step"], rec["action"], rec["lost"], rec["source"]) == (
+            1, "continue", [f"{s.job}-trainer-1"], f"{s.job}-trainer-0")
+        # the rank-0 timeout, the wait for the other ranks, the 10 s health check, the regroup and the step
+        bound = 2 * timeout_s + 10.0 + 30.0
+        print(f"step 1 with a frozen trainer took {recovered_s:.1f}s (bound {bound:g}s)")
+        assert recovered_s < bound
+        digests = ray.get([a.digest.remote() for a in coord.trainers.values()])
+        assert len(set(digests)) == 1
+        # hung, not dead: retired (in a cluster its pod lives on, and the operator replaces a retired pod)
+        assert rec["hung"] == [f"{s.job}-trainer-1"]
+    finally:
+        coord.shutdown()
+        if frozen is not None:
+            try:
+                os.kill(frozen, signal.SIGKILL)  # the frozen Ray worker, if the kill did not reach it
+            except ProcessLookupError:
+                pass

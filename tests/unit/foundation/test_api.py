@@ -238,6 +238,11 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
     ("vllm-needs-gpus", _doc({"rolloutEngine": "vllm", "resources": {"gpusPerPod": 0}}),
      "spec.rolloutEngine", "needs GPUs", SAME),
     ("vllm-eagle3-ok", _doc({"rolloutEngine": "vllm", "speculative": {"method": "mtp"}}), "", "", SAME),
+    ("collective-timeout-vs-progress", _doc({"faultTolerance": {"collectiveTimeoutSeconds": 600},
+                                             "progressDeadlineSeconds": 1200}),
+     "spec.faultTolerance.collectiveTimeoutSeconds", "must be under progressDeadlineSeconds", SAME),
+    ("collective-timeout-no-deadline", _doc({"faultTolerance": {"collectiveTimeoutSeconds": 3600},
+                                             "progressDeadlineSeconds": 0}), "", "", SAME),
 ]
 
 _CRD = CRDSchema(build_crd())
@@ -282,7 +287,8 @@ def test_every_cross_field_rule_has_a_case() -> None:
                    "duplicate", "set by the operator", "exceeds totalGPUs", "< queueHighWatermark",
                    "async mode needs maxStaleness", "nccl needs GPUs", "only used when", "exactly one of",
                    "refused unless allowHostPath", "reserved for the operator", "no volume named",
-                   "overlaps the operator's mounts", "duplicate mountPath", "duplicate volume", "mutually exclusive"):
+                   "overlaps the operator's mounts", "duplicate mountPath", "duplicate volume", "mutually exclusive",
+                   "must be under progressDeadlineSeconds"):
         assert phrase in covered, phrase
 
 
