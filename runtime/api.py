@@ -144,8 +144,11 @@ class ModelSpec(_Strict):
     name: str = Field(default="builtin:tiny", min_length=1, max_length=MAX_REF, description=(
         "Hugging Face model id (e.g. Qwen/Qwen3-8B), a local path in the image, or a model the project builds "
         f"itself: {', '.join(BUILTIN_MODELS)}."))
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description=(
-        "Parameter dtype of the policy (and of the rollout copy)."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto", description=(
+        "Compute dtype of the policy: the rollout copy's weights and decoding, and the trainer's forward/backward "
+        "(its master weights and optimizer state stay float32). auto: float32 weights and training, rollouts "
+        "decode in bfloat16 where the device runs it natively (GPUs with bf16, CPUs with avx512_bf16/AMX), else "
+        "float32. float32 pins float32 everywhere."))
     revision: str | None = Field(default=None, max_length=MAX_REF, description="Hub revision (branch, tag or commit); null = default.")
     chat_template: bool = Field(default=True, description=(
         "Send each dataset prompt through the tokenizer's chat template as one user turn (when the tokenizer "

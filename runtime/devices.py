@@ -38,3 +38,23 @@ def collective_backend(device: torch.device | str) -> str:
 def ray_num_gpus(gpus_per_pod: int, role: str) -> int:
     """GPUs a Ray actor of `role` requests: the whole pod's for trainer and rollout, none for the coordinator."""
     return max(0, int(gpus_per_pod)) if role in ("trainer", "rollout") else 0
+
+
+def weights_dtype(dtype: str) -> str:
+    """The dtype of the weights the job computes with for `spec.model.dtype`: the trainer's forward/backward and
+    the rollout copy. "auto" keeps float32 weights (decoding then picks its own dtype: `decode_dtype`)."""
+    return "float32" if dtype == "auto" else dtype
+
+
+def decode_dtype(dtype: str, device: torch.device | str) -> str:
+    """The dtype rollouts decode in on `device` for `spec.model.dtype`: an explicit dtype as given; "auto" bfloat16
+    where the device runs it natively (a CUDA GPU with bf16 support; a CPU with avx512_bf16/AMX kernels under
+    oneDNN, where a 5-token verify costs ~1.1 plain steps instead of ~1.8 in float32), else float32."""
+    if dtype != "auto":
+        return dtype
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    from .engine.model_runner import native_bf16
+
+    return "bfloat16" if dev.type == "cpu" and native_bf16() else "float32"

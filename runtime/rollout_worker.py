@@ -101,15 +101,6 @@ def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int, model_pos
     return min(wanted, model_positions) if model_positions else wanted
 
 
-def engine_dtype(param_dtype: str) -> str:
-    """The native engines' compute dtype for spec.model.dtype. The default float32 parameters run "auto", as the
-    bench does: bfloat16 on a CPU with native bf16 kernels (measured here: a 5-token verify costs ~1.1 plain steps
-    instead of ~1.8 in float32), float32 elsewhere. A bfloat16/float16 spec runs as given. (The CRD
-    defaults the field, so a spec cannot pin float32 apart from the default: the float32 reference is
-    `RolloutEngine(dtype=None)`, which the lossless tests use.)"""
-    return "auto" if param_dtype == "float32" else param_dtype
-
-
 def prompt_style(tokenizer: Any) -> str:
     """The synthetic task's prompt form for this tokenizer: the toy form only for the character tokenizer."""
     from .rl.tokenizer import CharTokenizer
@@ -138,15 +129,17 @@ class RolloutWorker:
             self.engine, self.vllm_updates = build_vllm_engine(settings)
             self.ar_engine = None  # no plain-decoding twin on the GPU: vLLM's per-batch-size K covers SD-off
         else:
-            from .devices import device_for
+            from .devices import decode_dtype, device_for, weights_dtype
 
             device = device_for(settings.gpus_per_pod)
-            # The rollout copy holds the weights in spec.model.dtype (the trainer keeps float32 masters).
-            self.model = load_causal_lm(settings.model, settings.dtype, device, revision=settings.revision,
+            # The rollout copy holds the weights in spec.model.dtype (the trainer keeps float32 masters); "auto"
+            # holds float32 and decodes in the device's native dtype (devices.decode_dtype).
+            held = weights_dtype(settings.dtype)
+            self.model = load_causal_lm(settings.model, held, device, revision=settings.revision,
                                         field="spec.model.name")
             if settings.method == "draft_model" and settings.draft_model:
                 check_same_vocab(settings.model, settings.draft_model, revision=settings.revision)
-                self.draft = load_causal_lm(settings.draft_model, settings.dtype, device,
+                self.draft = load_causal_lm(settings.draft_model, held, device,
                                             field="spec.speculative.draftModel")
             spec = SpeculativeConfig(method=settings.method, num_speculative_tokens=settings.num_speculative_tokens)
             # The static KV cache is preallocated per slot: size it to this job's prompts, not the model's context
@@ -154,7 +147,7 @@ class RolloutWorker:
             self.max_model_len = max_model_len(self.problems + self.eval_problems, self.tokenizer,
                                                settings.max_new_tokens,
                                                getattr(self.model.config, "max_position_embeddings", None))
-            dtype = engine_dtype(settings.dtype)
+            dtype = decode_dtype(settings.dtype, device)
             self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft,
                                         max_model_len=self.max_model_len, dtype=dtype)
             if settings.adaptive and settings.method != "none":
@@ -456,6 +449,7 @@ def build_vllm_engine(settings: RunSettings) -> tuple[Any, VLLMUpdates]:
     """
     import torch
 
+    from .devices import decode_dtype, device_for
     from .engine.vllm_backend import VLLMRolloutEngine, weight_update_info_for
     from .rl.trainer import trains_drafter
 
@@ -463,8 +457,9 @@ def build_vllm_engine(settings: RunSettings) -> tuple[Any, VLLMUpdates]:
     draft = _model_ref(settings.draft_model) if settings.draft_model else None
     speculative = {"method": settings.method, "num_speculative_tokens": settings.num_speculative_tokens,
                    "draft_model": draft}
-    dtype = getattr(torch, settings.dtype)
-    engine = VLLMRolloutEngine(policy, speculative, dtype=settings.dtype, seed=settings.seed,
+    name = decode_dtype(settings.dtype, device_for(settings.gpus_per_pod))  # the trainer sends in the same dtype
+    dtype = getattr(torch, name)
+    engine = VLLMRolloutEngine(policy, speculative, dtype=name, seed=settings.seed,
                                max_num_seqs=max(1, settings.prompts_per_step * settings.group_size))
     draft_info = weight_update_info_for(draft, dtype) if draft and trains_drafter(settings) else None
     return engine, (weight_update_info_for(policy, dtype), draft_info)

@@ -334,11 +334,12 @@ def preflight(settings: Any) -> None:
     (weights, architecture, tokenizer), the draft model and its vocabulary. Raises one ModelLoadError /
     ModelNotFoundError whose message starts with the spec field. Toy builtins not built yet are skipped (they
     are valid by construction and get built next)."""
-    from ..devices import device_for
+    from ..devices import decode_dtype, device_for
     from .bootstrap import is_complete, model_dir
     from .recipes import BUILTIN_RECIPES
 
-    check_dtype_on_device(settings.dtype, device_for(settings.gpus_per_pod))
+    device = device_for(settings.gpus_per_pod)
+    check_dtype_on_device(decode_dtype(settings.dtype, device), device)
 
     def unbuilt_toy(name: str) -> bool:
         key = name.removeprefix("builtin:")

@@ -16,7 +16,7 @@ class RunSettings:
     job: str = "local"
     namespace: str = "default"
     model: str = "builtin:tiny"
-    dtype: str = "float32"
+    dtype: str = "auto"  # spec.model.dtype; devices.weights_dtype / decode_dtype resolve "auto"
     revision: str | None = None
     chat_template: bool = True
     system_prompt: str | None = None

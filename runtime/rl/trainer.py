@@ -204,7 +204,7 @@ class TrainerWorker:
 
     def __init__(self, settings: RunSettings, rank: int = 0, world_size: int = 1, name: str | None = None,
                  metrics: Any = None) -> None:
-        from ..devices import device_for
+        from ..devices import device_for, weights_dtype
         from ..models.hub import load_causal_lm, load_tokenizer, parse_dtype
 
         torch.set_num_threads(max(1, settings.torch_threads))
@@ -216,8 +216,8 @@ class TrainerWorker:
         random.seed(settings.seed)
         np.random.seed(settings.seed)
         # Mixed precision: float32 master weights and optimizer state (bf16/fp16 weights would swallow small
-        # updates), forward and backward in spec.model.dtype under autocast.
-        self.compute_dtype = parse_dtype(settings.dtype, field="spec.model.dtype")
+        # updates), forward and backward in spec.model.dtype under autocast ("auto": float32).
+        self.compute_dtype = parse_dtype(weights_dtype(settings.dtype), field="spec.model.dtype")
         self.model = load_causal_lm(settings.model, torch.float32, self.device, revision=settings.revision,
                                     field="spec.model.name")
         self.model.train()
@@ -494,10 +494,11 @@ class TrainerWorker:
     def _send_to_vllm(self, sender: VLLMWeightSender) -> dict[str, float]:
         """The policy, then the trained drafter, from device memory with vLLM's packed producer (the rollout
         workers run the matching update_weights; `vllm_backend.named_weights` fixes the order and dtype)."""
+        from ..devices import decode_dtype
         from ..engine.vllm_backend import named_weights
 
         t0 = time.perf_counter()
-        dtype = getattr(torch, self.settings.dtype)
+        dtype = getattr(torch, decode_dtype(self.settings.dtype, self.device))  # what the vLLM engines decode in
         sent = sender.send(named_weights(self.model, dtype)).nbytes
         if self.drafter is not None:
             sent += sender.send(named_weights(self.drafter.model, dtype)).nbytes

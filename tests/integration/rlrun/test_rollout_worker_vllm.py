@@ -23,7 +23,8 @@ def test_rollout_worker_builds_and_refreshes_the_vllm_engine(micro, monkeypatch:
     from specrl.runtime.rollout_worker import RolloutWorker
 
     fake_vllm.install(monkeypatch)
-    settings = micro_settings(rollout_engine="vllm", gpus_per_pod=1, method="draft_model", adaptive=False)
+    settings = micro_settings(rollout_engine="vllm", gpus_per_pod=1, method="draft_model", adaptive=False,
+                              dtype="float32")  # pinned: vLLM and the trainer's stream use it as given
     worker = RolloutWorker(settings, "micro-rollout-0")
     assert isinstance(worker.engine, VLLMRolloutEngine) and worker.model is None  # vLLM holds the weights
     name, llm_kwargs = fake_vllm.CALLS[0]

@@ -408,14 +408,15 @@ def test_catch_up_of_a_late_joiner_fits_the_context(method: str, target, draft) 
 
 
 def test_rollout_worker_engine_dtype_follows_the_bench() -> None:
-    """The rollout worker's engines resolve their dtype as the bench does (bf16 where native kernels exist)."""
-    from specrl.runtime.engine.model_runner import compute_dtype, native_bf16
-    from specrl.runtime.rollout_worker import engine_dtype
+    """The rollout worker's engines resolve spec.model.dtype "auto" as the bench does (bf16 where native kernels
+    exist); an explicit dtype, float32 included, is pinned."""
+    from specrl.runtime.devices import decode_dtype
+    from specrl.runtime.engine.model_runner import compute_dtype
 
     cpu = torch.device("cpu")
-    assert compute_dtype(engine_dtype("float32"), torch.float32, cpu) == (torch.bfloat16 if native_bf16()
-                                                                          else torch.float32)
-    assert engine_dtype("bfloat16") == "bfloat16" and engine_dtype("float16") == "float16"
+    assert compute_dtype(decode_dtype("auto", cpu), torch.float32, cpu) == compute_dtype("auto", torch.float32, cpu)
+    for pinned in ("float32", "bfloat16", "float16"):
+        assert decode_dtype(pinned, cpu) == pinned
 
 
 def test_rollout_worker_context_is_prompt_plus_budget() -> None:
