@@ -142,7 +142,13 @@ METRICS: tuple[MetricSpec, ...] = (
     # RL run about to diverge, long before the reward shows it.
     MetricSpec("trainer_grad_norm", "specrl_trainer_grad_norm", "gauge",
                "Gradient L2 norm of the last optimizer update of the step, before clipping."),
-    MetricSpec("trainer_samples", "specrl_trainer_samples_total", "counter", "Samples trained on."),
+    # Work done, so re-trained samples count again (a counter never goes back with a rollback); the ledger's
+    # exactly-once count is the difference: sum(samples) - sum(samples_retrained) = trained prompts x groupSize.
+    MetricSpec("trainer_samples", "specrl_trainer_samples_total", "counter",
+               "Samples trained on, including steps trained again after a rollback to a checkpoint."),
+    MetricSpec("trainer_samples_retrained", "specrl_trainer_samples_retrained_total", "counter",
+               "Samples of steps trained again after the job rolled back to a checkpoint (also counted in "
+               "specrl_trainer_samples_total)."),
     # weight sync
     MetricSpec("sync_duration", "specrl_weight_sync_duration_seconds", "histogram",
                "Wall time of one weight sync (policy and drafter, all buckets).", SYNC_DURATION_BUCKETS),
@@ -231,6 +237,7 @@ class RuntimeMetrics:
     trainer_loss: Gauge
     trainer_grad_norm: Gauge
     trainer_samples: Counter
+    trainer_samples_retrained: Counter
     sync_duration: Histogram
     sync_bytes: Counter
     sync_failures: Counter
@@ -310,7 +317,7 @@ WORKER_OWNED: dict[str, frozenset[str]] = {
                           "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_accepted_tokens_per_pos",
                           "weight_version", "reward_errors", "spec_decode_enabled", "spec_decode_draft_length"}),
     "trainer": frozenset({"trainer_step", "trainer_step_duration", "trainer_loss", "trainer_grad_norm",
-                          "trainer_samples",
+                          "trainer_samples", "trainer_samples_retrained",
                           "weight_version", "drafter_train_steps", "drafter_loss", "sync_duration", "sync_bytes"}),
 }
 

@@ -87,6 +87,9 @@ class JobCoordinator:
         self.drafter = DrafterScheduler(self.sh, self.trainer_group, self.pool)
         self.step = 0
         self.weight_version = 0  # version the trainers hold
+        # Steps below this were trained once already: after a rollback to a checkpoint they are trained again
+        # (the restored ledger counts them once; specrl_trainer_samples_retrained_total counts the repeat).
+        self.trained_through = 0
         self.phase = Phase.STARTING
         self.long_tail = False
         self.complete = False
@@ -295,14 +298,16 @@ class JobCoordinator:
             self.trainer_backlog = len(samples)
         t_train = time.perf_counter()
         chunks_before = self.pool.chunks_done
-        train_out = self._train(step, samples)
+        retrained = step < self.trained_through
+        train_out = self._train(step, samples, retrained)
         train_s = time.perf_counter() - t_train
         overlap_chunks = self.pool.chunks_done - chunks_before
         with self.lock:
             self.weight_version = step + 1
             self.trainer_backlog = 0
             self.ledger.mark_trained(sorted({x["prompt_id"] for x in samples}))
-        mean = self.trainer_group.account(samples, train_out, train_s, self.weight_version)
+        self.trained_through = max(self.trained_through, step + 1)
+        mean = self.trainer_group.account(samples, train_out, train_s, self.weight_version, retrained)
         with self.lock:
             self.reward_mean = round(mean, 6)
 
@@ -359,14 +364,14 @@ class JobCoordinator:
         end = time.perf_counter()
         return end - t0, end - tail_start if tail_start is not None else 0.0
 
-    def _train(self, step: int, samples: list[dict]) -> list[dict]:
+    def _train(self, step: int, samples: list[dict], retrained: bool = False) -> list[dict]:
         """The GRPO update on every trainer rank. A trainer that dies meanwhile is dropped and the group reformed
         (recovery.py): the step is trained again on the same samples, or counts as trained when the survivors
         already applied it, or the job goes back to a checkpoint (RolledBack)."""
         import ray
 
         for _attempt in range(RECOVERY_ATTEMPTS):
-            refs = self.trainer_group.start_training(step, samples)
+            refs = self.trainer_group.start_training(step, samples, retrained)
             try:
                 return self._gather_training(refs)
             except Exception as exc:  # noqa: BLE001 - a trainer death is recovered; anything else is re-raised

@@ -170,18 +170,20 @@ class TrainerGroup:
 
         return ray.get(self.actors[name].export_state.remote())
 
-    def start_training(self, step: int, samples: list[dict]) -> list:
-        """Split the step's groups evenly over the ranks and start one GRPO update on each (Ray refs)."""
+    def start_training(self, step: int, samples: list[dict], retrained: bool = False) -> list:
+        """Split the step's groups evenly over the ranks and start one GRPO update on each (Ray refs).
+        `retrained`: the step was trained before the job rolled back to a checkpoint (metrics count it apart)."""
         from ..rl.trainer import Sample
 
         g = self.sh.settings.group_size
         groups = [samples[i:i + g] for i in range(0, len(samples), g)]
         shards = split_even(groups, len(self.actors))
         total_tokens = sum(len(x["response_ids"]) for x in samples)
-        return [actor.train_step.remote([Sample(**x) for grp in shard for x in grp], step, total_tokens)
+        return [actor.train_step.remote([Sample(**x) for grp in shard for x in grp], step, total_tokens, retrained)
                 for actor, shard in zip(self.actors.values(), shards)]
 
-    def account(self, samples: list[dict], train_out: list[dict], seconds: float, weight_version: int) -> float:
+    def account(self, samples: list[dict], train_out: list[dict], seconds: float, weight_version: int,
+                retrained: bool = False) -> float:
         """Export the step's trainer series; returns the mean reward."""
         rewards = [x["reward"] for x in samples]
         mean = sum(rewards) / max(1, len(rewards))
@@ -194,6 +196,8 @@ class TrainerGroup:
             wm.trainer_step_duration.observe(float(o.get("seconds", seconds)))
             wm.trainer_reward_mean.set(mean)
             wm.trainer_samples.inc(int(o.get("samples", 0)))
+            if retrained:
+                wm.trainer_samples_retrained.inc(int(o.get("samples", 0)))
             if "loss" in o:
                 wm.trainer_loss.set(o["loss"])
             if "grad_norm" in o:

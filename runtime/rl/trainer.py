@@ -314,9 +314,11 @@ class TrainerWorker:
         s = self.settings
         return response_logprobs(model, batch, s.temperature, s.top_k, s.top_p, self.compute_dtype)
 
-    def train_step(self, samples: list[Sample], step: int, total_tokens: int) -> dict[str, Any]:
+    def train_step(self, samples: list[Sample], step: int, total_tokens: int,
+                   retrained: bool = False) -> dict[str, Any]:
         """One RL step on this rank's shard: `epochs` passes of `mini_batches` optimizer steps each (PPO-style;
-        1 x 1 = one update). Returns this rank's own statistics, measured here (loss summed over its shard)."""
+        1 x 1 = one update). Returns this rank's own statistics, measured here (loss summed over its shard).
+        `retrained`: the job trained this step before it rolled back to a checkpoint (counted apart)."""
         t0 = time.perf_counter()
         s = self.settings
         self.model.train()
@@ -381,6 +383,8 @@ class TrainerWorker:
             self.metrics.trainer_loss.set(result["loss"])
             self.metrics.trainer_grad_norm.set(result["grad_norm"])
             self.metrics.trainer_samples.inc(len(samples))
+            if retrained:
+                self.metrics.trainer_samples_retrained.inc(len(samples))
             self.metrics.weight_version.set(self.weight_version)
         return result
 

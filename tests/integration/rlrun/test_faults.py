@@ -23,6 +23,12 @@ def _counter(coord: JobCoordinator, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
+def _worker_counter(coord: JobCoordinator, name: str, worker: str) -> float:
+    body = coord.metrics()[0].decode()
+    line = next(x for x in body.splitlines() if x.startswith(name + "{") and f'worker="{worker}"' in x)
+    return float(line.rsplit(" ", 1)[1])
+
+
 def _pid(actor) -> int:
     import ray
 
@@ -331,6 +337,11 @@ def test_the_last_trainer_dying_rolls_the_job_back_to_its_checkpoint(local_ray, 
         assert (rec["step"], rec["action"], rec["lost"]) == (3, "restore", [f"{s.job}-trainer-0"])
         assert rec["source"].endswith("step-000002")
         assert coord.status()["weightVersion"] == 4
+        # The respawned trainer's series counts steps 2 and 3 as work done; step 2 was trained before the
+        # rollback, so it also counts as re-trained (the ledger above counts it once).
+        worker = f"{s.job}-trainer-0"
+        assert _worker_counter(coord, "specrl_trainer_samples_total", worker) == 2 * s.step_batch
+        assert _worker_counter(coord, "specrl_trainer_samples_retrained_total", worker) == s.step_batch
     finally:
         coord.shutdown()
 
