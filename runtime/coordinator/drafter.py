@@ -48,6 +48,19 @@ class DrafterScheduler:
         name = self.trainers.names()[0]
         self._running = (self.trainers.actors[name].train_drafter.remote(seqs, lens, max_steps, deadline_s), name)
 
+    def restore(self, checkpoint: str | None) -> str:
+        """A new trainer rank 0 took over from one that died: it holds a drafter as loaded, so it loads the
+        drafter master copy of `checkpoint` (the newest complete one). Returns where the drafter now comes from."""
+        import ray
+
+        if not checkpoint:
+            log.warning("trainer rank 0 died and there is no checkpoint: the drafter goes back to its loaded weights")
+            return "loaded"
+        if not ray.get(self.trainers.first().load_drafter_checkpoint.remote(checkpoint)):
+            return "loaded"
+        log.info("drafter master copy restored from %s", checkpoint)
+        return checkpoint
+
     def finish(self) -> dict:
         """Wait for the round started in this step; {steps, seconds, where}. A failed round keeps the old drafter."""
         import ray

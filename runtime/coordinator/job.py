@@ -422,6 +422,7 @@ class JobCoordinator:
         dead = [h.name for h in health if not h.alive]
         if not dead:
             raise cause
+        drafter_lost = bool(tg.actors) and tg.names()[0] in dead  # rank 0 held the drafter master copy
         log.warning("trainer(s) %s died (%s); recovering", ", ".join(dead), str(cause).splitlines()[0][:200])
         tg.drop(dead, frozenset(h.name for h in health if h.hung))
         if not self.placement.cluster:
@@ -452,6 +453,12 @@ class JobCoordinator:
         assert plan.source is not None  # every action but FAIL names its source
         if plan.action in (Action.CONTINUE, Action.APPLIED):
             tg.reform(tg.state_of(plan.source), plan.source)
+            from ..rl.trainer import trains_drafter
+
+            if drafter_lost and trains_drafter(s):
+                where = self.drafter.restore(checkpoints.find_latest(tg.first(), s.checkpoint_dir))
+                with self.lock:
+                    self.recoveries[-1]["drafter"] = where
             return plan
         if not formed:
             tg.reform(None, None)

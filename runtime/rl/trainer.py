@@ -543,13 +543,24 @@ class TrainerWorker:
         self.step = int(payload["step"])
         self.weight_version = int(payload["weight_version"])
         self.torn = False
-        if self.drafter is not None and "drafter" in payload and (d / DRAFTER_DIR).is_dir():
-            self.drafter.load_state_dict({**payload["drafter"],
-                                          "model": load_hf_weights(d / DRAFTER_DIR, self.drafter.model)})
+        self._load_drafter(d, payload)
         rng = d / f"rng-rank{self.rank}.pt"
         if rng.exists():
             _set_rng_state(torch.load(rng, weights_only=False))
         return payload["cursor"]
+
+    def _load_drafter(self, d: Path, payload: dict[str, Any]) -> bool:
+        if self.drafter is None or "drafter" not in payload or not (d / DRAFTER_DIR).is_dir():
+            return False
+        self.drafter.load_state_dict({**payload["drafter"],
+                                      "model": load_hf_weights(d / DRAFTER_DIR, self.drafter.model)})
+        return True
+
+    def load_drafter_checkpoint(self, directory: str) -> bool:
+        """Only the drafter part of a checkpoint (weights, optimizer, replay buffer): a new rank 0 takes over the
+        drafter master copy after the old one died. False when this rank holds no drafter or the checkpoint none."""
+        d = Path(directory)
+        return self._load_drafter(d, torch.load(d / "trainer.pt", weights_only=False))
 
     def ping(self) -> str:
         return self.name

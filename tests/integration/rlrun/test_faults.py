@@ -399,3 +399,41 @@ def test_a_trainer_frozen_mid_all_reduce_is_found_within_the_collective_timeout(
                 os.kill(frozen, signal.SIGKILL)  # the frozen Ray worker, if the kill did not reach it
             except ProcessLookupError:
                 pass
+
+
+def _drafter_digest(self) -> str:
+    from specrl.runtime.rl.trainer import weights_digest
+
+    return weights_digest(self.drafter.model) if self.drafter is not None else ""
+
+
+def test_a_new_rank_0_takes_the_drafter_from_the_checkpoint(local_ray, micro, tmp_path):
+    """Trainer rank 0 (the drafter's master copy) is SIGKILLed after step 1, checkpointed with its drafter. In
+    step 2 the survivor becomes rank 0 and loads the checkpoint's drafter (weights, optimizer, replay buffer),
+    not the drafter as loaded; the job completes, every prompt trained once."""
+    import ray
+    from specrl.runtime.models.hub import load_causal_lm
+    from specrl.runtime.rl.trainer import weights_digest
+
+    from tests.integration.rlrun.micro import micro_settings
+
+    s = micro_settings(steps=3, trainers=2, rollouts=1, checkpoint_dir=str(tmp_path), checkpoint_interval=1)
+    coord = JobCoordinator(s)
+    try:
+        coord.start()
+        coord.run_step()
+        coord.run_step()
+        rank0 = coord.trainers[f"{s.job}-trainer-0"]
+        trained = ray.get(rank0.__ray_call__.remote(_drafter_digest))
+        assert trained != weights_digest(load_causal_lm(s.draft_model, "float32")), "the drafter never trained"
+        os.kill(_pid(rank0), signal.SIGKILL)
+        coord.run_step()  # step 2: no drafter round (rank 0 is gone), then the recovery
+        ((rec,),) = [coord.status()["trainerRecoveries"]]
+        assert (rec["action"], rec["source"]) == ("continue", f"{s.job}-trainer-1")
+        assert rec["drafter"] == str(tmp_path / "step-000002")
+        new_rank0 = coord.trainer_group.first()
+        assert ray.get(new_rank0.__ray_call__.remote(_drafter_digest)) == trained
+        coord.run()
+        _exactly_once(coord, 3)
+    finally:
+        coord.shutdown()
