@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ from .rl.settings import RunSettings
 from .rl.trainer import Sample
 
 if TYPE_CHECKING:
+    from .engine import SamplingParams
+    from .rl.task import Problem
     from .sync import SyncGroup, WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -55,7 +58,7 @@ def load_problem_split(settings: RunSettings, style: str = "toy") -> tuple[list,
     if settings.dataset in (BUILTIN_TASK, "builtin", "arithmetic"):
         # Short expressions recur across seeds, so a second seed alone does not hold problems out: a hash of the
         # prompt puts every expression on one side only, and held-out prompts are distinct.
-        def held_out(p) -> bool:
+        def held_out(p: Problem) -> bool:
             return zlib.crc32(p.prompt.encode()) % HELDOUT_BUCKETS == 0
 
         train = _synthetic(settings, settings.seed, settings.dataset_size, lambda p: not held_out(p), style=style)
@@ -71,7 +74,7 @@ def load_problem_split(settings: RunSettings, style: str = "toy") -> tuple[list,
 HELDOUT_BUCKETS = 8  # one expression in 8 is reserved for evaluation
 
 
-def _synthetic(settings: RunSettings, seed: int, n: int, keep, distinct: bool = False,
+def _synthetic(settings: RunSettings, seed: int, n: int, keep: Callable[[Problem], bool], distinct: bool = False,
                style: str = "toy") -> list:
     """The first `n` problems of the seeded synthetic task that `keep` accepts (and, if `distinct`, whose
     prompt did not come earlier)."""
@@ -284,7 +287,7 @@ class RolloutWorker:
                                "speculation on/off with rolloutEngine: native)")
         return self.ar_engine
 
-    def _params(self, seed: int, greedy: bool = False):
+    def _params(self, seed: int, greedy: bool = False) -> SamplingParams:
         from .engine import SamplingParams
 
         s = self.settings

@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 MARKER = "COMPLETE"
 
@@ -70,7 +71,7 @@ def _finish_on_trainer(_trainer: object, directory: str, info: dict, keep: int) 
     prune_checkpoints(Path(directory).parent, keep)
 
 
-def find_latest(trainer_actor, root: str | None) -> str | None:
+def find_latest(trainer_actor: Any, root: str | None) -> str | None:
     """The newest complete checkpoint under `root`, as trainer rank 0 (which mounts the volume) sees it."""
     import ray
 

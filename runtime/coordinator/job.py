@@ -33,6 +33,7 @@ from ..rl.settings import RunSettings
 from ..scheduling import (
     Phase,
     PromptLedger,
+    WorkerTable,
     is_long_tail,
     step_items,
     step_prompt_indices,
@@ -121,7 +122,7 @@ class JobCoordinator:
         return self.sh.ledger
 
     @property
-    def table(self):
+    def table(self) -> WorkerTable:
         return self.sh.table
 
     @property
@@ -239,7 +240,7 @@ class JobCoordinator:
 
     # ------------------------------------------------------------------ the step loop
 
-    def run(self, steps: int | None = None, on_step=None) -> list[dict]:
+    def run(self, steps: int | None = None, on_step: Callable[[dict], object] | None = None) -> list[dict]:
         total = self.settings.steps if steps is None else steps
         while self.step < total:
             rec = self.run_step()

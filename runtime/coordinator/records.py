@@ -115,7 +115,7 @@ class WorkerSeries:
         self._self_serving.add(name)
         self._by_name.pop(name, None)
 
-    def of(self, name: str, role: str):
+    def of(self, name: str, role: str) -> _Series:
         from prometheus_client import CollectorRegistry
 
         from ..metrics import WORKER_OWNED, RuntimeMetrics

@@ -27,6 +27,7 @@ def test_explicit_float32_is_pinned_and_auto_picks_the_device_dtype(micro) -> No
     for dtype, want in (("float32", torch.float32), ("auto", compute_dtype("auto", torch.float32, cpu))):
         s = micro_settings(dtype=dtype, rollouts=1)
         worker = RolloutWorker(s, "micro-rollout-0")
+        assert worker.model is not None and worker.ar_engine is not None
         assert next(worker.model.parameters()).dtype == torch.float32
         assert worker.engine.runner.dtype == want and worker.ar_engine.runner.dtype == want, dtype
         assert TrainerWorker(s).compute_dtype == torch.float32

@@ -418,6 +418,7 @@ def test_a_new_rank_0_takes_the_drafter_from_the_checkpoint(local_ray, micro, tm
     from tests.integration.rlrun.micro import micro_settings
 
     s = micro_settings(steps=3, trainers=2, rollouts=1, checkpoint_dir=str(tmp_path), checkpoint_interval=1)
+    assert s.draft_model is not None
     coord = JobCoordinator(s)
     try:
         coord.start()
