@@ -255,6 +255,21 @@ class RolloutWorker:
         self._apply_pending()
         return True
 
+    def drafter_weights(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The drafter this worker serves, or has staged, with its weight version (float32 on the CPU): after
+        trainer rank 0 dies, the newest copy of the drafter master weights. None without a native drafter."""
+        if self.draft is None:
+            return None
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            version, state = pending
+            staged = {k.removeprefix("drafter/"): v for k, v in state.items() if k.startswith("drafter/")}
+            if staged:
+                return version, {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in staged.items()}
+        return self.weight_version, {k: v.detach().to("cpu", torch.float32, copy=True)
+                                     for k, v in self.draft.state_dict().items()}
+
     def _apply_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, None

@@ -28,6 +28,11 @@ def checkpoint_path(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
+def checkpoint_version(directory: str | Path) -> int:
+    """The weight version a checkpoint folder holds (`step-NNNNNN`: taken after NNNNNN steps)."""
+    return int(Path(directory).name.removeprefix("step-"))
+
+
 def list_checkpoints(root: str | Path) -> list[Path]:
     """Complete checkpoints under `root` (folders `step-NNNNNN` holding the marker), oldest first."""
     root = Path(root)

@@ -10,11 +10,14 @@ import logging
 import time
 from typing import Any
 
+from . import checkpoints
 from .rollouts import RolloutPool
 from .shared import Shared
 from .trainers import TrainerGroup
 
 log = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 10.0  # a rollout worker that does not hand over its drafter copy within this is passed over
 
 
 class DrafterScheduler:
@@ -49,17 +52,45 @@ class DrafterScheduler:
         self._running = (self.trainers.actors[name].train_drafter.remote(seqs, lens, max_steps, deadline_s), name)
 
     def restore(self, checkpoint: str | None) -> str:
-        """A new trainer rank 0 took over from one that died: it holds a drafter as loaded, so it loads the
-        drafter master copy of `checkpoint` (the newest complete one). Returns where the drafter now comes from."""
+        """A new trainer rank 0 took over from one that died: it holds a drafter as loaded. It loads the drafter
+        master copy of `checkpoint` (the newest complete one: weights, optimizer, replay buffer); when a rollout
+        worker serves newer drafter weights (the last sync's), those replace the checkpoint's weights. Returns
+        where the drafter weights now come from."""
         import ray
 
-        if not checkpoint:
-            log.warning("trainer rank 0 died and there is no checkpoint: the drafter goes back to its loaded weights")
-            return "loaded"
-        if not ray.get(self.trainers.first().load_drafter_checkpoint.remote(checkpoint)):
-            return "loaded"
-        log.info("drafter master copy restored from %s", checkpoint)
-        return checkpoint
+        first = self.trainers.first()
+        version, where = -1, "loaded"
+        if checkpoint and ray.get(first.load_drafter_checkpoint.remote(checkpoint)):
+            version, where = checkpoints.checkpoint_version(checkpoint), checkpoint
+        newest = self._newest_rollout_copy()
+        if newest is not None and newest[1] > version:
+            name, version, weights = newest
+            state = ray.get(first.drafter_state.remote())
+            ray.get(first.load_drafter_state.remote({**state, "model": weights}))
+            where = f"{name} (version {version})"
+        if where == "loaded":
+            log.warning("trainer rank 0 died; no checkpoint or rollout worker holds its drafter: it starts again "
+                        "from its loaded weights")
+        else:
+            log.info("drafter master copy restored from %s", where)
+        return where
+
+    def _newest_rollout_copy(self) -> tuple[str, int, dict[str, Any]] | None:
+        """(worker, version, weights) of the newest drafter a live rollout worker serves; None if none answers."""
+        import ray
+
+        refs = {n: self.rollouts.actors[n].drafter_weights.remote() for n in self.rollouts.schedulable()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S) if refs else ([], [])
+        best = None
+        for name, ref in refs.items():
+            try:
+                got = ray.get(ref) if ref in ready else None
+            except Exception as exc:  # noqa: BLE001 - a worker lost meanwhile: the pool finds out on its own
+                log.debug("drafter weights from %s: %s", name, exc)
+                continue
+            if got is not None and (best is None or got[0] > best[1]):
+                best = (name, got[0], got[1])
+        return best
 
     def finish(self) -> dict:
         """Wait for the round started in this step; {steps, seconds, where}. A failed round keeps the old drafter."""

@@ -407,34 +407,35 @@ def _drafter_digest(self) -> str:
     return weights_digest(self.drafter.model) if self.drafter is not None else ""
 
 
-def test_a_new_rank_0_takes_the_drafter_from_the_checkpoint(local_ray, micro, tmp_path):
-    """Trainer rank 0 (the drafter's master copy) is SIGKILLed after step 1, checkpointed with its drafter. In
-    step 2 the survivor becomes rank 0 and loads the checkpoint's drafter (weights, optimizer, replay buffer),
-    not the drafter as loaded; the job completes, every prompt trained once."""
+def test_a_new_rank_0_takes_over_the_newest_drafter(local_ray, micro, tmp_path):
+    """Trainer rank 0 (the drafter's master copy) is SIGKILLed twice between steps (checkpoints every 2 steps).
+    After step 1 the checkpoint holds the newest drafter: the survivor, now rank 0, loads it (weights, optimizer,
+    replay buffer). After step 2 the rollout worker serves a newer drafter (version 3) than the checkpoint
+    (version 2): its weights are taken. Never the drafter as loaded; every prompt is trained once."""
     import ray
     from specrl.runtime.models.hub import load_causal_lm
     from specrl.runtime.rl.trainer import weights_digest
 
     from tests.integration.rlrun.micro import micro_settings
 
-    s = micro_settings(steps=3, trainers=2, rollouts=1, checkpoint_dir=str(tmp_path), checkpoint_interval=1)
+    s = micro_settings(steps=4, trainers=2, rollouts=1, checkpoint_dir=str(tmp_path), checkpoint_interval=2)
     assert s.draft_model is not None
+    as_loaded = weights_digest(load_causal_lm(s.draft_model, "float32"))
     coord = JobCoordinator(s)
     try:
         coord.start()
         coord.run_step()
         coord.run_step()
-        rank0 = coord.trainers[f"{s.job}-trainer-0"]
-        trained = ray.get(rank0.__ray_call__.remote(_drafter_digest))
-        assert trained != weights_digest(load_causal_lm(s.draft_model, "float32")), "the drafter never trained"
-        os.kill(_pid(rank0), signal.SIGKILL)
-        coord.run_step()  # step 2: no drafter round (rank 0 is gone), then the recovery
-        ((rec,),) = [coord.status()["trainerRecoveries"]]
-        assert (rec["action"], rec["source"]) == ("continue", f"{s.job}-trainer-1")
-        assert rec["drafter"] == str(tmp_path / "step-000002")
-        new_rank0 = coord.trainer_group.first()
-        assert ray.get(new_rank0.__ray_call__.remote(_drafter_digest)) == trained
+        for expected_source in (str(tmp_path / "step-000002"), f"{s.job}-rollout-0 (version 3)"):
+            rank0 = coord.trainer_group.first()
+            trained = ray.get(rank0.__ray_call__.remote(_drafter_digest))
+            assert trained != as_loaded, "the drafter never trained"
+            os.kill(_pid(rank0), signal.SIGKILL)
+            coord.run_step()  # no drafter round (rank 0 is gone), then the recovery: the step trains, and syncs
+            rec = coord.status()["trainerRecoveries"][-1]
+            assert rec["action"] == "continue" and rec["drafter"] == expected_source, rec
+            assert ray.get(coord.trainer_group.first().__ray_call__.remote(_drafter_digest)) == trained
         coord.run()
-        _exactly_once(coord, 3)
+        _exactly_once(coord, 4)
     finally:
         coord.shutdown()
