@@ -515,6 +515,19 @@ class WeightSyncSpec(_Strict):
         "rebuilt over the survivors and the weights are sent again."))
 
 
+COLLECTIVE_TIMEOUT_S = 300.0  # the trainers' collective timeout unless the spec or its progress deadline says less
+
+
+def collective_timeout(explicit: float | None, progress_deadline_seconds: int) -> float:
+    """The trainers' data-parallel timeout: `explicit` (faultTolerance.collectiveTimeoutSeconds), else tied to the
+    job's progress deadline so that a hung collective is found (after at most twice this) well before it."""
+    if explicit is not None:
+        return explicit
+    if progress_deadline_seconds <= 0:
+        return COLLECTIVE_TIMEOUT_S
+    return min(COLLECTIVE_TIMEOUT_S, progress_deadline_seconds / 4)
+
+
 class FaultToleranceSpec(_Strict):
     """How the runtime treats failing rollouts (worker deaths are always survived: their prompts are requeued)."""
 
@@ -525,13 +538,14 @@ class FaultToleranceSpec(_Strict):
     prompt_retries: int = Field(default=2, alias="promptRetries", ge=0, le=100, description=(
         "A prompt whose rollout raised (a task error, not a worker death) is retried alone this many times, then "
         "dropped with a counted reason (specrl_rollout_prompts_dropped_total)."))
-    collective_timeout_seconds: float = Field(default=300.0, alias="collectiveTimeoutSeconds", ge=1, le=3600,
-                                              description=(
+    collective_timeout_seconds: float | None = Field(default=None, alias="collectiveTimeoutSeconds", ge=1, le=3600,
+                                                     description=(
         "The trainers' data-parallel group: a gradient all-reduce (or a group rendezvous) that waits longer on a "
         "peer fails, so a trainer that hangs without dying (a frozen process, a silent network partition) is "
         "found within twice this time and the job recovers from a survivor or its checkpoint. Must exceed the "
         "slowest rank's lead over the fastest within one optimizer step, and be under half of "
-        "progressDeadlineSeconds."))
+        f"progressDeadlineSeconds. null = a quarter of progressDeadlineSeconds, at most {COLLECTIVE_TIMEOUT_S:g} "
+        f"({COLLECTIVE_TIMEOUT_S:g} when the deadline is off)."))
 
 
 class CheckpointSpec(_Strict):
@@ -556,7 +570,7 @@ class RLJobSpec(_Strict):
          "speculative methods layer_skip and quantized_self run on rolloutEngine: native only", ".rolloutEngine"),
         ("self.rolloutEngine != 'vllm' || self.resources.gpusPerPod >= 1",
          "rolloutEngine vllm needs resources.gpusPerPod >= 1 (vLLM runs on GPUs)", ".rolloutEngine"),
-        (("self.progressDeadlineSeconds == 0 || "
+        (("!has(self.faultTolerance.collectiveTimeoutSeconds) || self.progressDeadlineSeconds == 0 || "
           "2.0 * double(self.faultTolerance.collectiveTimeoutSeconds) < double(self.progressDeadlineSeconds)"),
          "faultTolerance.collectiveTimeoutSeconds must be under half of progressDeadlineSeconds",
          ".faultTolerance.collectiveTimeoutSeconds"),
@@ -608,7 +622,7 @@ class RLJobSpec(_Strict):
         if self.rollout_engine == "vllm" and self.resources.gpus_per_pod == 0:
             problems.append(("rolloutEngine", "vllm needs GPUs (resources.gpusPerPod >= 1)"))
         bound = self.fault_tolerance.collective_timeout_seconds
-        if self.progress_deadline_seconds and 2 * bound >= self.progress_deadline_seconds:
+        if bound is not None and self.progress_deadline_seconds and 2 * bound >= self.progress_deadline_seconds:
             problems.append(("faultTolerance.collectiveTimeoutSeconds", (
                 f"{bound:g}s: a hung trainer is found after up to twice this time, which must be under "
                 f"progressDeadlineSeconds ({self.progress_deadline_seconds}s)")))

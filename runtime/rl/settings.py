@@ -93,6 +93,8 @@ class RunSettings:
 
 def settings_from_job(job: Any) -> RunSettings:
     """Map a validated `specrl.runtime.api.RLJob` onto the runtime's settings."""
+    from ..api import collective_timeout
+
     spec = job.spec
     alg, ds, sp, res = spec.algorithm, spec.dataset, spec.speculative, spec.resources
     if ds.type == "jsonl":
@@ -154,7 +156,8 @@ def settings_from_job(job: Any) -> RunSettings:
         sync_timeout_s=spec.weight_sync.timeout_seconds,
         chunk_timeout_s=spec.fault_tolerance.rollout_chunk_timeout_seconds,
         prompt_retries=spec.fault_tolerance.prompt_retries,
-        collective_timeout_s=spec.fault_tolerance.collective_timeout_seconds,
+        collective_timeout_s=collective_timeout(spec.fault_tolerance.collective_timeout_seconds,
+                                                spec.progress_deadline_seconds),
         extra={"speculative": sp.model_dump(by_alias=True, exclude_none=True)},
     )
 

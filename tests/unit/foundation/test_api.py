@@ -438,3 +438,15 @@ def test_crd_admission_ratchets_unchanged_invalid_fields() -> None:
     _CRD.admit(changed, old=bad)  # unrelated edit: tolerated
     with pytest.raises(AdmissionError):
         _CRD.admit(_doc({"mode": "async", "maxStaleness": 0, "algorithm": {"steps": 0}}), old=bad)
+
+
+def test_collective_timeout_is_tied_to_the_progress_deadline() -> None:
+    from specrl.runtime.rl.settings import RunSettings
+
+    def timeout(**spec: Any) -> float:
+        return RunSettings.from_job(parse_job(_doc(spec))).collective_timeout_s
+
+    assert timeout() == 300.0  # the default deadline (3600 s) allows the cap
+    assert timeout(progressDeadlineSeconds=300) == 75.0  # found after at most 150 s, well before the deadline
+    assert timeout(progressDeadlineSeconds=0) == 300.0  # no deadline: the cap
+    assert timeout(progressDeadlineSeconds=300, faultTolerance={"collectiveTimeoutSeconds": 20}) == 20.0
