@@ -73,9 +73,17 @@ class TrainerGroup:
 
         for rank, name in enumerate(names):
             self._spawn(name, rank, len(names), (node_ids or {}).get(name))
+        self._ready(names)
         host, port = ray.get(self.first().node_address.remote())
         # each trainer picks the backend of its gradients' device (devices.collective_backend)
         ray.get([a.init_data_parallel.remote(host, port) for a in self.actors.values()])
+
+    def _ready(self, names: list[str]) -> None:
+        """Wait until these new trainers have loaded their models: the group's rendezvous is bounded by the
+        collective timeout (faultTolerance.collectiveTimeoutSeconds), which must not include a model load."""
+        import ray
+
+        ray.get([self.actors[n].ping.remote() for n in names])
 
     def request_join(self, name: str, node_id: str | None = None) -> None:
         self.pending.setdefault(name, node_id)
@@ -115,6 +123,7 @@ class TrainerGroup:
         self.pending.clear()
         for name, node_id in joining.items():
             self._spawn(name, len(self.actors), len(self.actors) + 1, node_id)
+        self._ready(list(joining))
         names = list(self.actors)
         if not names:
             raise RuntimeError("no trainer left to form the data-parallel group")
