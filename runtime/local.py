@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from rich.live import Live
     from rich.progress import Progress, TaskID
 
+    from .rl.settings import RunSettings
+
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +46,7 @@ class JobError(Exception):
     """A problem with the job the user can fix; printed as one line, never a traceback."""
 
 
-def load_settings(path: str, steps: int | None = None):
+def load_settings(path: str, steps: int | None = None) -> tuple[Any, RunSettings]:
     from .api import JobValidationError, load_job
     from .rl.settings import RunSettings
 
@@ -63,7 +65,7 @@ def load_settings(path: str, steps: int | None = None):
     return job, check_settings(settings, source=str(path), name=job.metadata.name)
 
 
-def check_settings(settings, source: str = "<job>", name: str = ""):
+def check_settings(settings: RunSettings, source: str = "<job>", name: str = "") -> RunSettings:
     """Checks that need the machine (files, installed functions, devices); local-mode adjustments."""
     import torch
 
@@ -112,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
     return 0 if summary.get("prompts_lost", 0) == 0 else 1
 
 
-def build_models(settings, progress: bool) -> None:
+def build_models(settings: RunSettings, progress: bool) -> None:
     """Build (or find cached) builtin models in the driver, with a progress bar, before any actor loads them."""
     from .models.bootstrap import ensure_models
 
@@ -143,7 +145,7 @@ def start_ray() -> None:
              configure_logging=True, runtime_env={"env_vars": quiet})
 
 
-def run_job(settings, out_dir: Path, *, progress: bool = True, measure: bool = True,
+def run_job(settings: RunSettings, out_dir: Path, *, progress: bool = True, measure: bool = True,
             coordinator_options: dict | None = None) -> dict[str, Any]:
     """Run the job end to end and write the outputs; returns the summary."""
     import ray
@@ -221,7 +223,7 @@ def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
-def summarize(settings, records: list[dict], measures: dict, ledger: dict, wall: float) -> dict[str, Any]:
+def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger: dict, wall: float) -> dict[str, Any]:
     from .coordinator import acceptance_length
     from .rl.significance import length_profile, paired_comparison
 
@@ -381,7 +383,7 @@ class Display:
     # fits an 80-column terminal: lengths as median/p95/max, seconds of the rollout phase, training, whole step
     COLUMNS = ("step", "reward", "acc", "eval", "len", "accept", "SD on", "roll s", "train s", "step s")
 
-    def __init__(self, settings, enabled: bool = True) -> None:
+    def __init__(self, settings: RunSettings, enabled: bool = True) -> None:
         self.settings = settings
         self.enabled = enabled and sys.stdout.isatty() or (enabled and os.environ.get("SPECRL_FORCE_PROGRESS"))
         self.rows: list[tuple] = []
@@ -411,7 +413,7 @@ class Display:
             self.live.update(self._render())
             self.live.__exit__(exc_type, exc, tb)
 
-    def _render(self):
+    def _render(self) -> Any:
         from rich import box
         from rich.console import Group
         from rich.table import Table
@@ -504,7 +506,7 @@ def _wrap(line: str, width: int = 70) -> str:
     return "\n".join(textwrap.wrap(line, width, subsequent_indent="  "))
 
 
-def _plot_reward(ax, records: list[dict], summary: dict, _compare: dict | None) -> None:
+def _plot_reward(ax: Any, records: list[dict], summary: dict, _compare: dict | None) -> None:
     steps = [r["step"] for r in records]
     rewards = [r["reward_mean"] for r in records]
     ax.plot(steps, rewards, ".", color="tab:blue", alpha=0.4, label="reward per step (rollouts)")
@@ -532,7 +534,7 @@ def _plot_reward(ax, records: list[dict], summary: dict, _compare: dict | None) 
     ax.set_title("Reward per step; held-out accuracy before and after")
 
 
-def _plot_lengths(ax, records: list[dict], _summary: dict, _compare: dict | None) -> None:
+def _plot_lengths(ax: Any, records: list[dict], _summary: dict, _compare: dict | None) -> None:
     from .rl.significance import length_profile
 
     steps = [r["step"] for r in records]
@@ -546,7 +548,7 @@ def _plot_lengths(ax, records: list[dict], _summary: dict, _compare: dict | None
     ax.set_title("The long tail: response lengths per step")
 
 
-def _plot_timeline(ax, _records: list[dict], summary: dict, compare: dict | None) -> None:
+def _plot_timeline(ax: Any, _records: list[dict], summary: dict, compare: dict | None) -> None:
     """Active batch over decode time for one step batch, speculative and plain, side by side."""
     assert compare is not None
     for key, label, color in (("ar_trace", "plain decoding", "tab:gray"), ("sd_trace", "speculative", "tab:blue")):
@@ -568,7 +570,7 @@ def _plot_timeline(ax, _records: list[dict], summary: dict, compare: dict | None
     ax.set_title("One step's rollout, SD vs plain" + (f": {speedup:.2f}x" if speedup else ""))
 
 
-def _plot_acceptance(ax, records: list[dict], _summary: dict, _compare: dict | None) -> None:
+def _plot_acceptance(ax: Any, records: list[dict], _summary: dict, _compare: dict | None) -> None:
     steps = [r["step"] for r in records]
     ax.plot(steps, [r["acceptance_length"] if r["acceptance_length"] is not None else float("nan")
                     for r in records], marker="o", color="tab:purple", label="acceptance length")
@@ -588,7 +590,7 @@ def _plot_acceptance(ax, records: list[dict], _summary: dict, _compare: dict | N
     ax.set_title("Speculative acceptance per step")
 
 
-def _plot_time(ax, records: list[dict], summary: dict, _compare: dict | None) -> None:
+def _plot_time(ax: Any, records: list[dict], summary: dict, _compare: dict | None) -> None:
     steps = [r["step"] for r in records]
     parts = [("rollout (excl. tail)", [r["rollout_seconds"] - r["long_tail_seconds"] for r in records]),
              ("rollout: long tail", [r["long_tail_seconds"] for r in records]),
@@ -610,7 +612,7 @@ def _plot_time(ax, records: list[dict], summary: dict, _compare: dict | None) ->
     ax.legend(loc="upper left", fontsize="small")
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Any, path: Path) -> Path:
     from matplotlib.ticker import MaxNLocator
 
     for ax in fig.axes:

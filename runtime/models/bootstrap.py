@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from .recipes import BUILTIN_RECIPES, Recipe, resolve_recipe
 
 if TYPE_CHECKING:
     from rich.progress import Progress
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 BUILD_INFO = "build_info.json"
 EVAL_SEED = 424242  # evaluation problems never overlap the training seed range
@@ -56,7 +57,7 @@ class ModelNotFoundError(ValueError):
 # -- model construction ---------------------------------------------------------------------------------
 
 
-def llama_config(recipe: Recipe, tokenizer: CharTokenizer):
+def llama_config(recipe: Recipe, tokenizer: CharTokenizer) -> LlamaConfig:
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -75,7 +76,7 @@ def llama_config(recipe: Recipe, tokenizer: CharTokenizer):
     )
 
 
-def new_model(recipe: Recipe, tokenizer: CharTokenizer, seed: int | None = None):
+def new_model(recipe: Recipe, tokenizer: CharTokenizer, seed: int | None = None) -> LlamaForCausalLM:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(recipe.seed if seed is None else seed)
@@ -173,7 +174,7 @@ def _lr_at(step: int, recipe: Recipe) -> float:
     return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
 
 
-def train(model, recipe: Recipe, examples: Sequence[Example], tokenizer: CharTokenizer,
+def train(model: LlamaForCausalLM, recipe: Recipe, examples: Sequence[Example], tokenizer: CharTokenizer,
           progress: ProgressFn | None = None, stage: str = "train") -> list[float]:
     """SFT (cross-entropy on response tokens) or, when examples carry teacher log-probs, forward-KL distillation."""
     distill = examples[0].teacher_logprobs is not None
@@ -220,7 +221,7 @@ def _kl_loss(logits: torch.Tensor, batch: Sequence[Example], target_mask: torch.
 
 
 @torch.no_grad()
-def teacher_samples(teacher, recipe: Recipe, tokenizer: CharTokenizer,
+def teacher_samples(teacher: Any, recipe: Recipe, tokenizer: CharTokenizer,
                     progress: ProgressFn | None = None, batch_size: int = 64) -> list[Example]:
     """Responses sampled from the teacher at temperature 1 with its log-probs at every response position."""
     task = SyntheticTask(recipe.teacher_samples, recipe.difficulty_mix, seed=recipe.data_seed)
@@ -260,6 +261,10 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, attn
 
 
+# symmetry breaking between a grown model's copies: small next to the weights, so it starts as good as its base
+GROW_NOISE = 0.01
+
+
 # -- cache ----------------------------------------------------------------------------------------------
 
 
@@ -269,9 +274,60 @@ def _teacher_recipe(recipe: Recipe) -> Recipe | None:
     return recipe.teacher if isinstance(recipe.teacher, Recipe) else resolve_recipe(recipe.teacher)
 
 
+def _base_recipe(recipe: Recipe) -> Recipe | None:
+    return resolve_recipe(recipe.grow_from) if recipe.grow_from is not None else None
+
+
 def recipe_digest(recipe: Recipe) -> str:
-    teacher = _teacher_recipe(recipe)
-    return recipe.digest(recipe_digest(teacher) if teacher is not None else None)
+    teacher, base = _teacher_recipe(recipe), _base_recipe(recipe)
+    return recipe.digest(recipe_digest(teacher) if teacher is not None else None,
+                         recipe_digest(base) if base is not None else None)
+
+
+@torch.no_grad()
+def grow(base: LlamaForCausalLM, grown: LlamaForCausalLM, noise: float = 0.0, seed: int = 0) -> None:
+    """Initialise `grown` from `base` so that it computes what `base` computes, at `grown`'s size.
+
+    Width (HyperCloning, Samragh et al. 2024): every hidden, head and MLP vector is `base`'s repeated w times and
+    each weight matrix is `base`'s tiled w x w and divided by w, so the activations are w copies of `base`'s
+    (RMSNorm of a repeated vector is the repeated norm; heads keep their dimension, so attention is unchanged).
+    Depth (block expansion, LLaMA-Pro): each widened base layer is followed by copies of it whose output projections
+    (o_proj, down_proj) are zero, a residual identity. `noise` (relative to each matrix's std) breaks the symmetry
+    between the copies, which would otherwise get identical gradients for ever.
+    """
+    bc, gc = base.config, grown.config
+    w = gc.hidden_size // bc.hidden_size
+    if (gc.hidden_size != w * bc.hidden_size or gc.intermediate_size != w * bc.intermediate_size
+            or gc.num_attention_heads != w * bc.num_attention_heads
+            or (gc.num_key_value_heads or gc.num_attention_heads)
+            != w * (bc.num_key_value_heads or bc.num_attention_heads) or gc.vocab_size != bc.vocab_size):
+        raise ValueError("grow: the grown model's hidden, intermediate and head counts must be the same multiple "
+                         "of the base's (head dimension unchanged)")
+    src, dst = base.model.layers, grown.model.layers
+    if len(dst) % len(src):
+        raise ValueError(f"grow: {len(dst)} layers is not a multiple of the base's {len(src)}")
+    per = len(dst) // len(src)
+    gen = torch.Generator().manual_seed(seed)
+
+    def tile(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        out = t.repeat(rows, cols) / cols  # columns split the input copies: divide so the sum is base's
+        if noise and t.ndim == 2:
+            out += torch.randn(out.shape, generator=gen) * noise * float(t.std())
+        return out
+
+    grown.model.embed_tokens.weight.copy_(base.model.embed_tokens.weight.repeat(1, w))
+    grown.model.norm.weight.copy_(base.model.norm.weight.repeat(w))
+    grown.lm_head.weight.copy_(tile(base.lm_head.weight, 1, w))
+    for i, layer in enumerate(dst):
+        b = src[i // per]
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            layer.get_submodule(name).weight.copy_(tile(b.get_submodule(name).weight, w, w))
+        layer.input_layernorm.weight.copy_(b.input_layernorm.weight.repeat(w))
+        layer.post_attention_layernorm.weight.copy_(b.post_attention_layernorm.weight.repeat(w))
+        if i % per:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 def model_dir(recipe: Recipe, root: Path | None = None) -> Path:
@@ -302,8 +358,9 @@ def exclusive(lock_path: Path, waiting: Callable[[], None] | None = None) -> Ite
 # Below this width a layer's matmuls are too small to split across cores: a second intra-op thread adds only
 # synchronisation, and on a busy machine its spin-waits cost 10x or more (measured on this 2-core machine at load
 # average 5-6, the tiny recipe's training step, interleaved: 1 thread 0.29-0.56 s wall / 0.1 CPU-s, 2 threads
-# 3.6-6.0 s wall / 1.3-2.6 CPU-s).
-PARALLEL_MIN_HIDDEN = 256
+# 3.6-6.0 s wall / 1.3-2.6 CPU-s). At 256 wide (builtin:small) two threads are ~1.6x faster on a quiet machine
+# (148 vs 241 ms a step), but at load average ~6 a two-thread build ran 7 minutes without finishing 400 steps.
+PARALLEL_MIN_HIDDEN = 512
 
 
 def build_threads(recipe: Recipe, available: int | None) -> int | None:
@@ -330,7 +387,7 @@ def ensure_built(recipe: Recipe, *, root: Path | None = None, force: bool = Fals
     final = model_dir(recipe, root)
     if is_complete(final) and not force:
         return final
-    teacher = _teacher_recipe(recipe)
+    teacher = _teacher_recipe(recipe) or _base_recipe(recipe)  # a grown model's base is built first, like a teacher
     teacher_dir = ensure_built(teacher, root=root, threads=threads, progress=progress, evaluate=evaluate) \
         if teacher is not None else None
 
@@ -372,7 +429,7 @@ def _build_into(out: Path, recipe: Recipe, teacher_dir: Path | None, progress: P
     info: dict = {"name": recipe.name, "digest": recipe_digest(recipe), "recipe": recipe.identity(),
                   "description": recipe.description, "threads": torch.get_num_threads(),
                   "torch": torch.__version__}
-    if teacher_dir is not None:
+    if teacher_dir is not None and recipe.grow_from is None:
         teacher, _ = load_model_dir(teacher_dir)
         t_sample = time.perf_counter()
         examples = teacher_samples(teacher, recipe, tokenizer, progress)
@@ -383,6 +440,11 @@ def _build_into(out: Path, recipe: Recipe, teacher_dir: Path | None, progress: P
     else:
         examples = sft_examples(recipe, tokenizer)
     model = new_model(recipe, tokenizer)
+    if teacher_dir is not None and recipe.grow_from is not None:
+        base, _ = load_model_dir(teacher_dir)
+        grow(base, model, noise=GROW_NOISE, seed=recipe.seed)
+        info["grown_from"] = teacher_dir.name
+        del base
     t_train = time.perf_counter()
     losses = train(model, recipe, examples, tokenizer, progress, stage=f"train {recipe.name}")
     info["precision"] = "bf16 autocast" if recipe.bf16_autocast and fast_bf16() else "fp32"
@@ -413,7 +475,8 @@ def _build_into(out: Path, recipe: Recipe, teacher_dir: Path | None, progress: P
 # -- loading --------------------------------------------------------------------------------------------
 
 
-def load_model_dir(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_model_dir(path: str | Path,
+                   dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, CharTokenizer]:
     from transformers import LlamaForCausalLM
 
     path = Path(path)
@@ -444,7 +507,7 @@ def resolve_model_path(name_or_path: str | Path, *, build: bool = True, threads:
 
 
 def load_policy(name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, *, threads: int | None = None,
-                progress: ProgressFn | None = None, device: str | torch.device = "cpu"):
+                progress: ProgressFn | None = None, device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) for any model name (`specrl.runtime.models.hub`); toy builtins are built on first use."""
     from .hub import load_causal_lm, load_tokenizer
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..rl.task import Problem, is_correct, prompt_token_ids
 from ..rl.tokenizer import CharTokenizer
 
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
 
 @torch.no_grad()
-def generate_responses(model, tokenizer: CharTokenizer, problems: Sequence[Problem], *, temperature: float,
+def generate_responses(model: Any, tokenizer: CharTokenizer, problems: Sequence[Problem], *, temperature: float,
                        seed: int = 0, batch_size: int = 50, max_new_tokens: int = 192,
                        progress: Callable[[str, int, int, str], None] | None = None) -> list[list[int]]:
     """Response token ids (through the first EOS) for each problem; greedy when temperature is 0."""
@@ -43,7 +47,7 @@ def generate_responses(model, tokenizer: CharTokenizer, problems: Sequence[Probl
     return out
 
 
-def evaluate_accuracy(model, tokenizer: CharTokenizer, problems: Sequence[Problem], *, temperature: float,
+def evaluate_accuracy(model: LlamaForCausalLM, tokenizer: CharTokenizer, problems: Sequence[Problem], *, temperature: float,
                       seed: int = 0, batch_size: int = 50, max_new_tokens: int = 192,
                       progress: Callable[[str, int, int, str], None] | None = None) -> dict:
     """Exact-match accuracy overall and per difficulty, plus response-length statistics."""
@@ -69,7 +73,7 @@ def evaluate_accuracy(model, tokenizer: CharTokenizer, problems: Sequence[Proble
 
 
 @torch.no_grad()
-def expected_acceptance(target, draft, tokenizer: CharTokenizer, problems: Sequence[Problem], *,
+def expected_acceptance(target: LlamaForCausalLM, draft: LlamaForCausalLM, tokenizer: CharTokenizer, problems: Sequence[Problem], *,
                         temperature: float = 1.0, seed: int = 0, batch_size: int = 50,
                         max_new_tokens: int = 192) -> dict:
     """Per-token acceptance probability of speculative sampling, α = E[Σ_v min(p_v, q_v)], and α under greedy

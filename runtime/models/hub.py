@@ -259,7 +259,7 @@ def load_causal_lm(name: str | Path, dtype: Any = "float32", device: Any = "cpu"
 
 
 def load_tokenizer(name: str | Path, *, revision: str | None = None, chat: bool = True,
-                   system_prompt: str | None = None, field: str = "model"):
+                   system_prompt: str | None = None, field: str = "model") -> Any:  # CharTokenizer | HFTokenizer
     """`CharTokenizer` for the toy builtins, else the model's HF tokenizer (EOS from its generation config)."""
     from ..rl.tokenizer import TOKENIZER_CONFIG, CharTokenizer, HFTokenizer
 

@@ -27,7 +27,7 @@ from typing import overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from .tokenizer import CharTokenizer
+from .tokenizer import CharTokenizer, HFTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def format_prompt(expression: str, style: str = "toy") -> str:
     return f"Q:{expression}=?"
 
 
-def prompt_token_ids(problem: Problem, tokenizer) -> list[int]:
+def prompt_token_ids(problem: Problem, tokenizer: CharTokenizer | HFTokenizer) -> list[int]:
     """What the policy is conditioned on: BOS + prompt text for the toy models, the chat template (or the raw
     text, as the spec says) for real ones — the tokenizer knows which (`CharTokenizer`/`HFTokenizer`)."""
     return tokenizer.prompt_ids(problem.prompt)
@@ -207,7 +207,7 @@ def is_correct(response: str, answer: str, last_number: bool = False) -> bool:
     return predicted is not None and predicted == normalize_answer(answer)
 
 
-def response_lengths(problems: Sequence[Problem], tokenizer=None) -> list[int]:
+def response_lengths(problems: Sequence[Problem], tokenizer: CharTokenizer | None = None) -> list[int]:
     """Token lengths of the worked solutions (+1 for EOS): the reference response-length distribution."""
     tok = tokenizer or CharTokenizer()
     return [len(tok.encode(p.solution or "")) + 1 for p in problems]

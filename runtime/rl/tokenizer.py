@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -155,7 +156,7 @@ class HFTokenizer:
     one and `chat` is on, else BOS (when the model uses one) + raw text.
     """
 
-    def __init__(self, hf, *, eos_ids: list[int] | None = None, chat: bool = True,
+    def __init__(self, hf: Any, *, eos_ids: list[int] | None = None, chat: bool = True,
                  system_prompt: str | None = None) -> None:
         self.hf = hf
         eos = [int(i) for i in (eos_ids or [])] or ([int(hf.eos_token_id)] if hf.eos_token_id is not None else [])

@@ -327,7 +327,10 @@ class TrainerWorker:
         # The same number of updates on every rank (each one all-reduces), even when a shard is small.
         n_mb, epochs = max(1, s.mini_batches), max(1, s.epochs)
         updates = epochs * n_mb
-        mini_batches = [samples[i::n_mb] for i in range(n_mb)]  # interleaved: every mini-batch sees all groups
+        # interleaved: every mini-batch sees all groups; sorted by length so micro-batches pad little (the loss is
+        # a sum over tokens, so the order does not change the gradient)
+        mini_batches = [sorted(samples[i::n_mb], key=lambda x: len(x.prompt_ids) + len(x.response_ids))
+                        for i in range(n_mb)]
         # Every rank divides by the same global count, so the summed gradient is the single-process one; with
         # mini-batches each update sees about 1/n_mb of the step's tokens.
         denom = max(1, round(total_tokens / n_mb))

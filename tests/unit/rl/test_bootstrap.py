@@ -161,3 +161,21 @@ def test_expected_acceptance_of_draft(micro, root):
     assert same["alpha"] == pytest.approx(1.0, abs=1e-4) and same["greedy_alpha"] == 1.0
     other = expected_acceptance(target, draft, tok, problems, max_new_tokens=16)
     assert 0.0 < other["alpha"] < 1.0 and other["positions"] == same["positions"] > 0
+
+
+def test_grown_model_computes_what_its_base_computes():
+    """Width x2 (HyperCloning) and depth x3 (zero-output copies): the same logits before any training; the
+    symmetry-breaking noise moves them only a little; shapes that are not multiples are refused."""
+    tok = CharTokenizer()
+    base = bootstrap.new_model(MICRO.replace(num_layers=2), tok, seed=0).eval()
+    grown = bootstrap.new_model(MICRO.replace(name="grown", hidden_size=64, intermediate_size=128, num_layers=6,
+                                              num_heads=4), tok, seed=1).eval()
+    ids = torch.tensor([tok.prompt_ids("Q:1+2*3-4=?")])
+    bootstrap.grow(base, grown)
+    torch.testing.assert_close(grown(ids).logits, base(ids).logits, atol=1e-4, rtol=1e-4)
+    bootstrap.grow(base, grown, noise=0.01)
+    gap = (grown(ids).logits - base(ids).logits).abs().max()
+    assert 0 < gap < 0.05 * base(ids).logits.abs().max()
+    odd = bootstrap.new_model(MICRO.replace(name="odd", hidden_size=48, num_heads=3, num_layers=2), tok)
+    with pytest.raises(ValueError, match="multiple"):
+        bootstrap.grow(base, odd)
