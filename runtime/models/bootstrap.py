@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specrl.runtime.models.bootstrap",
                                      description="Build the project's builtin policies into the cache.")
     parser.add_argument("models", nargs="*", default=["builtin:tiny", "builtin:tiny-draft"],
-                        help="builtin:tiny, builtin:tiny-draft, builtin:bench, builtin:bench-draft "
+                        help="builtin:tiny, builtin:tiny-draft, builtin:small, builtin:bench, builtin:bench-draft "
                              "(default: the tiny pair)")
     parser.add_argument("--force", action="store_true", help="rebuild even when cached")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads")
