@@ -37,7 +37,7 @@ from torch import nn
 from .control import Controller, Decision, FixedController, StepRecord
 from .model_runner import TransformerRunner
 from .proposers.base import DraftContext, Proposer
-from .rejection_sampler import rejection_sample
+from .rejection_sampler import greedy_verify, rejection_sample
 from .sampling import (
     BatchSamplingTensors,
     SamplingParams,
@@ -317,7 +317,9 @@ class RolloutEngine:
         return [r for r in results if r is not None]
 
     def _uniforms(self, active: list[_Seq], n: int) -> torch.Tensor:
-        u = torch.stack([torch.rand(n, generator=s.generator, dtype=torch.float64) for s in active])
+        u = torch.empty((len(active), n), dtype=torch.float64)
+        for row, s in zip(u, active):
+            row.uniform_(generator=s.generator)  # the same stream as torch.rand(n, generator=...)
         return u.to(self.device, non_blocking=True) if self.device.type != "cpu" else u
 
     def _batch_sampling(self, active: list[_Seq]) -> BatchSamplingTensors:
@@ -326,15 +328,26 @@ class RolloutEngine:
             self._sampling = BatchSamplingTensors.build([s.params for s in active], self.device)
         return self._sampling
 
-    def _logprobs(self, probs: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor,
-                  active: list[_Seq]) -> torch.Tensor:
-        """probs/logits [N, V], tokens [N] -> target logprob per row (processed or raw per request)."""
-        idx = tokens.clamp(min=0).unsqueeze(1)
-        lp = probs.gather(1, idx).squeeze(1).log()
+    def _logprobs(self, probs: torch.Tensor | None, logits: torch.Tensor, tokens: torch.Tensor,
+                  active: list[_Seq]) -> torch.Tensor | None:
+        """probs/logits [N, V], tokens [N] -> target logprob per row (processed or raw per request).
+
+        probs None: every row is greedy, whose processed logprob is log 1 = 0; returns None when no row asks for
+        raw logprobs either (the caller fills in zeros on the host)."""
         if self._any_raw is None:
             self._any_raw = any(s.params.logprobs_mode == "raw" for s in active)
+        if probs is None and not self._any_raw:
+            return None
+        idx = tokens.clamp(min=0).unsqueeze(1)
         if self._any_raw:
             raw = torch.log_softmax(logits.float(), dim=-1).gather(1, idx).squeeze(1)
+            if probs is None and all(s.params.logprobs_mode == "raw" for s in active):
+                return raw
+        if probs is not None:
+            lp = probs.gather(1, idx).squeeze(1).log()
+        else:
+            lp = torch.zeros(len(tokens), dtype=torch.float32, device=logits.device)
+        if self._any_raw:
             per = len(tokens) // len(active)
             is_raw = torch.tensor([s.params.logprobs_mode == "raw" for s in active], device=lp.device)
             lp = torch.where(is_raw.repeat_interleave(per), raw, lp)
@@ -361,16 +374,14 @@ class RolloutEngine:
         else:
             logits, _ = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last, lens=lens)
         st = BatchSamplingTensors.build([s.params for s in joiners], self.device)
-        probs = process_logits(logits, st)
-        tok = sample_from_probs(probs, self._uniforms(joiners, 1)[:, 0])
         self._any_raw = None  # computed for the joiners here, then again for the whole batch
-        lp = self._logprobs(probs, logits, tok, joiners)
+        toks, lps = self._sample_one(logits, st, joiners)
         self._any_raw = None
         active.extend(joiners)
         self._sampling = None
         self.stats.target_forwards += 1
         self.stats.prefill_forwards += 1
-        for s, t, l in zip(joiners, tok.tolist(), lp.tolist()):
+        for s, t, l in zip(joiners, toks, lps):
             self._append(s, [t], [l])
         self.stats.prefill_seconds += time.perf_counter() - t0
 
@@ -393,21 +404,33 @@ class RolloutEngine:
         self.stats.generated_tokens += n
         return n
 
+    def _sample_one(self, logits: torch.Tensor, st: BatchSamplingTensors, rows: list[_Seq]
+                    ) -> tuple[list[int], list[float]]:
+        """One token per row from logits [B, V], with its target logprob, in one device->host transfer."""
+        if st.all_greedy:  # the argmax is what inverse-CDF sampling of the one-hot returns, for any uniform
+            tok = logits.argmax(dim=-1)
+            lp = self._logprobs(None, logits, tok, rows)
+        else:
+            probs = process_logits(logits, st)
+            tok = sample_from_probs(probs, self._uniforms(rows, 1)[:, 0])
+            lp = self._logprobs(probs, logits, tok, rows)
+        if lp is None:
+            return [int(t) for t in tok.tolist()], [0.0] * len(rows)
+        host = torch.stack([tok.double(), lp.double()]).tolist()
+        return [int(t) for t in host[0]], host[1]
+
     def _ar_step(self, active: list[_Seq], decision: Decision) -> StepRecord:
         t0 = time.perf_counter()
         b = len(active)
         starts = [len(s.tokens) - 1 for s in active]
         inp = torch.tensor([[s.tokens[-1]] for s in active], dtype=torch.int64, device=self.device)
         logits, hidden = self.runner.forward(self.cache, 0, starts, inp)
-        logits = logits[:, 0]
-        probs = process_logits(logits, self._batch_sampling(active))
-        tok = sample_from_probs(probs, self._uniforms(active, 1)[:, 0])
-        lp = self._logprobs(probs, logits, tok, active)
+        toks, lps = self._sample_one(logits[:, 0], self._batch_sampling(active), active)
         for p in self.proposers.values():
             if p.needs_hidden:
                 p.observe_target(hidden, starts, [1] * b)
         emitted = 0
-        for s, t, l in zip(active, tok.tolist(), lp.tolist()):
+        for s, t, l in zip(active, toks, lps):
             emitted += self._append(s, [t], [l])
         self._truncate_proposers(active)
         self.stats.target_forwards += 1
@@ -430,13 +453,26 @@ class RolloutEngine:
         if gamma < 1:
             return self._ar_step(active, Decision(None, 0))
         b = len(active)
+        g1 = gamma + 1
         st = self._batch_sampling(active)
-        u = self._uniforms(active, 2 * gamma + 1)
+        # Greedy rows never read their uniforms (every token is an argmax): an all-greedy batch draws none.
+        u = (torch.zeros((b, 2 * gamma + 1), dtype=torch.float64, device=self.device) if st.all_greedy
+             else self._uniforms(active, 2 * gamma + 1))
         ctx = DraftContext(tokens=[s.tokens for s in active], sampling=st, uniforms=u[:, :gamma])
         prop = proposer.propose(ctx, gamma)
-        if min(caps) < gamma:  # rows near their end verify only what they can still emit (ragged, still exact)
+        # Draft lengths per row, on the host where they are known without a transfer; rows near their end verify
+        # only what they can still emit (ragged, still exact).
+        row_lens: list[int] | None = None
+        if prop.lens is None:
+            row_lens = [min(c, gamma) for c in caps]
+        elif prop.host_lens is not None:
+            row_lens = [min(n, c) for n, c in zip(prop.host_lens, caps)]
+        if row_lens is not None:
+            lens = (torch.tensor(row_lens, dtype=torch.int64, device=self.device) if min(row_lens) < gamma
+                    else None)
+        else:
             limit = torch.tensor(caps, dtype=torch.int64, device=self.device).clamp(0, gamma)
-            prop.lens = limit if prop.lens is None else torch.minimum(prop.lens, limit)
+            lens = torch.minimum(prop.lens, limit) if prop.lens is not None else limit
         # No device sync for timing: the step's one host transfer below bounds its total time; on an accelerator
         # the draft/target split is then approximate (kernels still queued count as target time).
         t1 = time.perf_counter()
@@ -445,35 +481,46 @@ class RolloutEngine:
         inp = torch.cat([pending, prop.tokens.clamp(min=0)], dim=1)
         logits, hidden = self.runner.forward(self.cache, 0, starts, inp)
         v = logits.shape[-1]
-        flat_logits = logits.reshape(b * (gamma + 1), v)
-        probs = process_logits(flat_logits, st.expand(gamma + 1)).view(b, gamma + 1, v)
-        res = rejection_sample(probs, prop.tokens, prop.probs, u[:, gamma : 2 * gamma], u[:, 2 * gamma], prop.lens)
-        lp = self._logprobs(probs.view(-1, v), flat_logits, res.tokens.view(-1), active).view(b, gamma + 1)
-        # One device->host transfer per step: tokens (exact in float64), accepted counts, draft lengths, logprobs.
-        draft_lens = prop.lens if prop.lens is not None else torch.full((b,), gamma, device=self.device)
-        host = torch.cat([res.tokens.double(), res.num_accepted.double().unsqueeze(1),
-                          draft_lens.double().unsqueeze(1), lp.double()], dim=1).tolist()
-        toks = [[int(t) for t in row[: gamma + 1]] for row in host]
-        nacc = [int(row[gamma + 1]) for row in host]
-        lens = [int(row[gamma + 2]) for row in host]
-        lps = [row[gamma + 3 :] for row in host]
+        flat_logits = logits.reshape(b * g1, v)
+        if st.all_greedy:
+            tokens, _ = greedy_verify(logits, prop.tokens, lens)
+            lp = self._logprobs(None, flat_logits, tokens.view(-1), active)
+        else:
+            probs = process_logits(flat_logits, st.expand(g1))
+            res = rejection_sample(probs.view(b, g1, v), prop.tokens, prop.probs, u[:, gamma : 2 * gamma],
+                                   u[:, 2 * gamma], lens)
+            tokens = res.tokens
+            lp = self._logprobs(probs, flat_logits, tokens.view(-1), active)
+        # One device->host transfer per step: tokens (exact in float64; -1 after a row's last emitted token),
+        # logprobs, and the draft lengths where the host does not know them.
+        parts = [tokens.double()]
+        if lp is not None:
+            parts.append(lp.view(b, g1).double())
+        if row_lens is None:
+            parts.append(lens.double().unsqueeze(1))
+        host = torch.cat(parts, dim=1).tolist() if len(parts) > 1 else parts[0].tolist()
+        if row_lens is None:
+            row_lens = [int(row[-1]) for row in host]
+        emitted = 0
+        nacc: list[int] = []
+        for s, row in zip(active, host):
+            k = row.index(-1.0) if row[gamma] == -1.0 else g1  # tokens emitted by this row
+            nacc.append(k - 1)
+            emitted += self._append(s, [int(t) for t in row[:k]], row[g1 : g1 + k] if lp is not None else [0.0] * k)
         for p in self.proposers.values():
             if p.needs_hidden:
                 p.observe_target(hidden, starts, [a + 1 for a in nacc])
-        emitted = 0
-        for i, s in enumerate(active):
-            k = nacc[i] + 1
-            emitted += self._append(s, toks[i][:k], lps[i][:k])
         self._truncate_proposers(active)
-        drafted = sum(lens)
+        drafted = sum(row_lens)
         accepted = sum(nacc)
-        tried = sum(min(a + 1, n) for a, n in zip(nacc, lens))
-        self.stats.drafts += sum(1 for n in lens if n > 0)
+        tried = sum(min(a + 1, n) for a, n in zip(nacc, row_lens))
+        self.stats.drafts += sum(1 for n in row_lens if n > 0)
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         per_pos = self.stats.accepted_per_position
         for n in nacc:
-            per_pos.extend([0] * (n - len(per_pos)))
+            if n > len(per_pos):
+                per_pos.extend([0] * (n - len(per_pos)))
             for j in range(n):
                 per_pos[j] += 1
         self.stats.target_forwards += 1

@@ -26,7 +26,17 @@ from .sampling import sample_from_probs
 class RejectionResult:
     tokens: torch.Tensor  # [B, gamma + 1] int64: accepted drafts, then the final token, then -1 padding
     num_accepted: torch.Tensor  # [B] int64, number of accepted drafts (tokens emitted = num_accepted + 1)
-    final_probs: torch.Tensor  # [B, V] fp32, the distribution the final token was drawn from
+    # [B, V] fp32: the final token's distribution, a residual row unnormalised (sampling scales by the mass)
+    final_weights: torch.Tensor
+    residual_rows: torch.Tensor | None = None  # [B] bool: rows whose final token came from the residual
+
+    @property
+    def final_probs(self) -> torch.Tensor:
+        """[B, V] fp32, the distribution the final token was drawn from (normalised on demand, off the hot path)."""
+        if self.residual_rows is None:
+            return self.final_weights
+        norm = self.final_weights / self.final_weights.sum(dim=1, keepdim=True)
+        return torch.where(self.residual_rows.unsqueeze(1), norm, self.final_weights)
 
 
 def rejection_sample(
@@ -38,48 +48,66 @@ def rejection_sample(
     draft_lens: torch.Tensor | None = None,
 ) -> RejectionResult:
     """target_probs [B, G+1, V] fp32; draft_tokens [B, G] int64; draft_probs [B, G, V] fp32 or None (one-hot q);
-    accept_uniforms [B, G] float64; final_uniforms [B] float64; draft_lens [B] (default: all G)."""
-    b, g1, _ = target_probs.shape
+    accept_uniforms [B, G] float64; final_uniforms [B] float64; draft_lens [B] (default: all G).
+
+    No host synchronisation (no `.any()`/`.item()`): every row takes the same tensor path, and only one [B, V]
+    row per sequence (the final position's) is touched beyond the [B, G] acceptance test."""
+    b, g1, v = target_probs.shape
     g = g1 - 1
     if draft_tokens.shape != (b, g):
         raise ValueError(f"draft_tokens: expected shape {(b, g)}, got {tuple(draft_tokens.shape)}")
     dev = target_probs.device
-    rows = torch.arange(b, device=dev)
-    safe_tokens = draft_tokens.clamp(min=0)
-    p_at = target_probs[:, :g].gather(2, safe_tokens.unsqueeze(2)).squeeze(2).double()
+    safe_tokens = draft_tokens.clamp(min=0).unsqueeze(2)
+    p_at = target_probs[:, :g].gather(2, safe_tokens).squeeze(2).double()
     if draft_probs is None:
-        q_at = torch.ones_like(p_at)
+        accepted = accept_uniforms < p_at  # u * q(d) < p(d) with q(d) = 1
     else:
-        q_at = draft_probs.gather(2, safe_tokens.unsqueeze(2)).squeeze(2).double()
-    accepted = accept_uniforms * q_at < p_at
+        accepted = accept_uniforms * draft_probs.gather(2, safe_tokens).squeeze(2).double() < p_at
+    steps = torch.arange(g1, device=dev).unsqueeze(0)
     if draft_lens is not None:
-        accepted &= torch.arange(g, device=dev).unsqueeze(0) < draft_lens.unsqueeze(1)
-        lens = draft_lens
-    else:
-        lens = torch.full((b,), g, dtype=torch.int64, device=dev)
+        accepted &= steps[:, :g] < draft_lens.unsqueeze(1)
     num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
 
-    p_final = target_probs[rows, num_accepted]  # [B, V]
-    rejected = num_accepted < lens
-    # The residual is computed for every row (no `.any()`: on an accelerator that is a host sync per step).
-    pos = num_accepted.clamp(max=max(g - 1, 0))
-    if draft_probs is None:
-        q_final = torch.zeros_like(p_final)
-        if g > 0:
-            q_final[rows, safe_tokens[rows, pos]] = 1.0
+    # Row b's final position is num_accepted[b]: one row of the flattened [B*(G+1), V] probabilities.
+    rows = torch.arange(b, device=dev)
+    p_final = target_probs.reshape(b * g1, v).index_select(0, rows * g1 + num_accepted)
+    use_residual = None
+    if g == 0:
+        weights = p_final
     else:
-        q_final = draft_probs[rows, pos]
-    residual = (p_final - q_final).clamp_(min=0.0)
-    mass = residual.sum(dim=1, keepdim=True)
-    # mass > 0 whenever a rejection can happen (p(d) < q(d) implies p != q); the guard only protects against
-    # fp32 underflow, falling back to p itself.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_final)
-    final_probs = torch.where(rejected.unsqueeze(1), residual, p_final)
-    final_tokens = sample_from_probs(final_probs, final_uniforms)
+        pos = num_accepted.clamp(max=g - 1)
+        if draft_probs is None:
+            # q is one-hot on the draft d: max(0, p - q) is p with p(d) zeroed (p(d) < 1 when d was rejected).
+            residual = p_final.scatter(1, safe_tokens.squeeze(2).gather(1, pos.unsqueeze(1)), 0.0)
+        else:
+            q_final = draft_probs.reshape(b * g, v).index_select(0, rows * g + pos)
+            residual = (p_final - q_final).clamp_(min=0.0)
+        rejected = num_accepted < (draft_lens if draft_lens is not None else g)
+        # mass > 0 whenever a rejection can happen (p(d) < q(d) implies p != q); the guard only protects against
+        # fp32 underflow, falling back to p itself.
+        use_residual = rejected & (residual.sum(dim=1) > 0)
+        weights = torch.where(use_residual.unsqueeze(1), residual, p_final)
+    final_tokens = sample_from_probs(weights, final_uniforms)
 
-    out = torch.full((b, g1), -1, dtype=torch.int64, device=dev)
-    ar = torch.arange(g1, device=dev).unsqueeze(0)
-    if g > 0:
-        out[:, :g] = torch.where(ar[:, :g] < num_accepted.unsqueeze(1), draft_tokens, out[:, :g])
-    out[rows, num_accepted] = final_tokens
-    return RejectionResult(tokens=out, num_accepted=num_accepted, final_probs=final_probs)
+    out = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)
+    out = torch.where(steps < num_accepted.unsqueeze(1), out, -1)
+    out.scatter_(1, num_accepted.unsqueeze(1), final_tokens.unsqueeze(1))
+    return RejectionResult(tokens=out, num_accepted=num_accepted, final_weights=weights, residual_rows=use_residual)
+
+
+def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                  draft_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rejection_sample`'s (tokens, num_accepted) for rows whose target is greedy, without building p.
+
+    With one-hot p on the argmax, d_i is accepted iff it is the argmax (u * q(d) < p(d) holds for u < 1, q <= 1
+    exactly when p(d) = 1), and the final token, residual or bonus, is the argmax at the first position not
+    accepted: the emitted tokens are the target's argmax up to and including that position, whatever the
+    drafter and the uniforms. target_logits [B, G+1, V]; ties go to the lowest id, as in `process_logits`."""
+    g = target_logits.shape[1] - 1
+    best = target_logits.argmax(dim=-1)  # [B, G+1]
+    accepted = draft_tokens == best[:, :g]
+    steps = torch.arange(g + 1, device=target_logits.device).unsqueeze(0)
+    if draft_lens is not None:
+        accepted &= steps[:, :g] < draft_lens.unsqueeze(1)
+    num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
+    return torch.where(steps <= num_accepted.unsqueeze(1), best, -1), num_accepted

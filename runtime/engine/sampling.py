@@ -76,6 +76,8 @@ class BatchSamplingTensors:
     any_top_k: bool
     any_top_p: bool
     all_temp_one: bool
+    # expand(n) results, built once per batch composition instead of once per speculative step
+    _expanded: dict[int, BatchSamplingTensors] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def build(params: list[SamplingParams], device: torch.device) -> BatchSamplingTensors:
@@ -97,7 +99,10 @@ class BatchSamplingTensors:
         """Each row repeated n times (row-major), for [B, n, V] logits flattened to [B*n, V]."""
         if n == 1:
             return self
-        return BatchSamplingTensors(
+        hit = self._expanded.get(n)
+        if hit is not None:
+            return hit
+        out = self._expanded[n] = BatchSamplingTensors(
             temperature=self.temperature.repeat_interleave(n),
             greedy=self.greedy.repeat_interleave(n),
             top_k=self.top_k.repeat_interleave(n),
@@ -108,6 +113,7 @@ class BatchSamplingTensors:
             any_top_p=self.any_top_p,
             all_temp_one=self.all_temp_one,
         )
+        return out
 
 
 def process_logits(logits: torch.Tensor, st: BatchSamplingTensors) -> torch.Tensor:
@@ -158,9 +164,10 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     """Inverse-CDF sampling: probs [N, V] fp32, uniforms [N] float64 in [0, 1) -> token ids [N] int64.
 
     One float64 uniform per token keeps every request's random stream independent of batch composition.
-    Zero-probability tokens are never returned (their CDF interval is empty).
+    Zero-probability tokens are never returned (their CDF interval is empty). The rows need not be normalised
+    (the uniform is scaled by each row's total mass), so a residual is sampled without dividing it first.
     """
-    cdf = torch.cumsum(probs.double(), dim=-1)
+    cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
     x = (uniforms * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, x, right=True).squeeze(1)
     return idx.clamp_(max=probs.shape[-1] - 1)

@@ -31,6 +31,7 @@ class Proposal:
     tokens: torch.Tensor  # [B, gamma] int64 (-1 beyond a row's length)
     probs: torch.Tensor | None  # [B, gamma, V] fp32, the distribution each draft was sampled from; None = one-hot
     lens: torch.Tensor | None = None  # [B] int64 drafts per row; None = gamma for every row
+    host_lens: list[int] | None = None  # the same lengths as host ints, when the proposer has them (no transfer)
 
 
 class Proposer:

@@ -72,5 +72,6 @@ class NgramProposer(Proposer):
     def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
         rows = [self._lookup(i, t, gamma) for i, t in enumerate(ctx.tokens)]
         tokens = torch.tensor([r + [-1] * (gamma - len(r)) for r in rows], dtype=torch.int64, device=self.device)
-        lens = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=self.device)
-        return Proposal(tokens=tokens, probs=None, lens=lens)
+        host_lens = [len(r) for r in rows]
+        lens = torch.tensor(host_lens, dtype=torch.int64, device=self.device)
+        return Proposal(tokens=tokens, probs=None, lens=lens, host_lens=host_lens)
