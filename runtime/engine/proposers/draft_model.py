@@ -83,17 +83,21 @@ class DraftModelProposer(Proposer):
         if last is None:
             logits = logits[:, 0]
         n = [len(t) for t in ctx.tokens]
-        tokens = torch.empty((b, gamma), dtype=torch.int64, device=dev)
-        probs = torch.empty((b, gamma, runner.vocab_size), dtype=torch.float32, device=dev)
+        greedy = ctx.sampling.all_greedy
+        drafts: list[torch.Tensor] = []
+        dists: list[torch.Tensor] = []
         for j in range(gamma):
-            q = process_logits(logits, ctx.sampling)
-            d = sample_from_probs(q, ctx.uniforms[:, j])
-            tokens[:, j] = d
-            probs[:, j] = q
+            if greedy:  # a greedy draft is deterministic: its q is one-hot on the argmax (Proposal.probs None)
+                d = logits.argmax(dim=-1)
+            else:
+                q = process_logits(logits, ctx.sampling)
+                d = sample_from_probs(q, ctx.uniforms[:, j])
+                dists.append(q)
+            drafts.append(d)
             if j + 1 < gamma:
                 # d_{j+1} sits at position n-1+j+1 = n+j.
                 logits, _ = runner.forward(self.cache, 0, [x + j for x in n], d.unsqueeze(1))
                 logits = logits[:, 0]
         for i in range(b):
             self.lens[i] = n[i] + gamma - 1
-        return Proposal(tokens=tokens, probs=probs)
+        return Proposal(tokens=torch.stack(drafts, dim=1), probs=None if greedy else torch.stack(dists, dim=1))

@@ -35,17 +35,20 @@ class LayerSkipProposer(Proposer):
     def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
         runner = self.engine.runner
         cache = self.engine.cache
-        b = ctx.batch
         dev = runner.device
         n = [len(t) for t in ctx.tokens]
         tok = torch.tensor([[t[-1]] for t in ctx.tokens], dtype=torch.int64, device=dev)
-        tokens = torch.empty((b, gamma), dtype=torch.int64, device=dev)
-        probs = torch.empty((b, gamma, runner.vocab_size), dtype=torch.float32, device=dev)
+        greedy = ctx.sampling.all_greedy
+        drafts: list[torch.Tensor] = []
+        dists: list[torch.Tensor] = []
         for j in range(gamma):
             logits, _ = runner.forward(cache, 0, [x - 1 + j for x in n], tok, num_layers=self.num_layers)
-            q = process_logits(logits[:, 0], ctx.sampling)
-            d = sample_from_probs(q, ctx.uniforms[:, j])
-            tokens[:, j] = d
-            probs[:, j] = q
+            if greedy:  # deterministic draft: q is one-hot on the argmax (Proposal.probs None)
+                d = logits[:, 0].argmax(dim=-1)
+            else:
+                q = process_logits(logits[:, 0], ctx.sampling)
+                d = sample_from_probs(q, ctx.uniforms[:, j])
+                dists.append(q)
+            drafts.append(d)
             tok = d.unsqueeze(1)
-        return Proposal(tokens=tokens, probs=probs)
+        return Proposal(tokens=torch.stack(drafts, dim=1), probs=None if greedy else torch.stack(dists, dim=1))

@@ -127,3 +127,43 @@ def test_ragged_draft_lengths() -> None:
     assert res.num_accepted.tolist()[1:] == [1 if float(p[1, 0, 4]) > 0 else 0, 0]
     assert torch.equal(res.final_probs[2], p[2, 0])
     assert (res.tokens >= -1).all() and (res.tokens[:, 0] >= 0).all()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_greedy_verify_equals_rejection_sampling_of_one_hot_targets(deterministic: bool) -> None:
+    """The engine's greedy shortcut (argmax comparisons, no probabilities) emits exactly what the general sampler
+    emits for the one-hot target `process_logits` builds at temperature 0, whatever the uniforms and drafter."""
+    from specrl.runtime.engine.rejection_sampler import greedy_verify
+    from specrl.runtime.engine.sampling import BatchSamplingTensors, SamplingParams, process_logits
+
+    gen = torch.Generator().manual_seed(0)
+    b, g, v = 64, 4, 7
+    logits = torch.randn(b, g + 1, v, generator=gen).round()  # rounding makes ties: the lowest id must win
+    st = BatchSamplingTensors.build([SamplingParams(temperature=0.0)] * b, torch.device("cpu")).expand(g + 1)
+    p = process_logits(logits.view(-1, v), st).view(b, g + 1, v)
+    best = logits.argmax(dim=-1)
+    # drafts: the argmax for a random prefix, then random tokens (often wrong), ragged lengths with -1 padding
+    keep = torch.randint(0, g + 1, (b, 1), generator=gen)
+    drafts = torch.where(torch.arange(g) < keep, best[:, :g], torch.randint(0, v, (b, g), generator=gen))
+    lens = torch.randint(0, g + 1, (b,), generator=gen)
+    drafts = torch.where(torch.arange(g) < lens.unsqueeze(1), drafts, -1)
+    q = None if deterministic else torch.softmax(torch.randn(b, g, v, generator=gen), dim=-1)
+    u = torch.rand(b, g, generator=gen, dtype=torch.float64)
+    res = rejection_sample(p, drafts, q, u, torch.rand(b, generator=gen, dtype=torch.float64), lens)
+    tokens, num_accepted = greedy_verify(logits, drafts, lens)
+    assert torch.equal(num_accepted, res.num_accepted)
+    assert torch.equal(tokens, res.tokens)
+    assert int(num_accepted.min()) == 0 and int(num_accepted.max()) == g  # both ends exercised
+
+
+def test_unnormalised_rows_are_sampled_in_proportion() -> None:
+    """A residual is sampled without dividing it by its mass: the uniform partitions [0, 1) into intervals of
+    length w_i / sum(w), the same tokens the normalised row gives away from the interval edges."""
+    from specrl.runtime.engine.sampling import sample_from_probs
+
+    w = torch.tensor([[0.0, 0.3, 0.0, 0.1, 0.2]])  # mass 0.6: intervals [0, .5) -> 1, [.5, .667) -> 3, rest -> 4
+    edges = [(0.0, 0.5, 1), (0.5, 2 / 3, 3), (2 / 3, 1.0, 4)]
+    for lo, hi, token in edges:
+        for x in torch.linspace(lo + 1e-6, hi - 1e-6, 50, dtype=torch.float64):
+            assert int(sample_from_probs(w, x.view(1))[0]) == token
+            assert int(sample_from_probs(w / w.sum(), x.view(1))[0]) == token
