@@ -497,6 +497,7 @@ class RolloutEngine:
         if lp is not None:
             parts.append(lp.view(b, g1).double())
         if row_lens is None:
+            assert lens is not None  # built above whenever the host lacks the lengths
             parts.append(lens.double().unsqueeze(1))
         host = torch.cat(parts, dim=1).tolist() if len(parts) > 1 else parts[0].tolist()
         if row_lens is None:

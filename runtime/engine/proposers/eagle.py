@@ -28,19 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..hf_layout import DecoderLayer, output_embeddings
+from ..hf_layout import DecoderLayer, config_of, output_embeddings
 from ..model_runner import Dense, LayerWeights, TransformerRunner, decoder_of
 from ..sampling import process_logits, sample_from_probs
 from .base import DraftContext, Proposal, Proposer
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from ..engine import RolloutEngine
+    from ..kv_cache import StaticKVCache
 
 
 class EagleHead(nn.Module):
     """fc(cat(feature, token embedding)) -> one decoder layer of the target's architecture."""
 
-    def __init__(self, target_config) -> None:
+    def __init__(self, target_config: PretrainedConfig) -> None:
         super().__init__()
         cfg = copy.deepcopy(target_config)
         cfg.num_hidden_layers = 1
@@ -70,7 +73,7 @@ class EagleHead(nn.Module):
     @classmethod
     def from_target(cls, target: nn.Module) -> EagleHead:
         p = next(target.parameters())
-        return cls(target.config).to(device=p.device, dtype=p.dtype)
+        return cls(config_of(target)).to(device=p.device, dtype=p.dtype)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Teacher-forced training forward: features [B, T, H], next_tokens [B, T] -> predicted next features."""
@@ -181,7 +184,7 @@ class _EagleRunner(TransformerRunner):
         self.sin_table = self.target_runner.sin_table
         self._signature = self._current_signature()
 
-    def step(self, cache, starts: list[int], features: torch.Tensor, tokens: torch.Tensor,
+    def step(self, cache: StaticKVCache, starts: list[int], features: torch.Tensor, tokens: torch.Tensor,
              last_index: torch.Tensor | None = None, lens: list[int] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] + next tokens [B, T] (row b right-padded after lens[b]) -> (draft logits fp32,

@@ -8,11 +8,16 @@ q is the processed distribution of the early-exit logits (sampled, returned for 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ..sampling import process_logits, sample_from_probs
 from .base import DraftContext, Proposal, Proposer
+
+if TYPE_CHECKING:
+    from ..engine import RolloutEngine
 
 
 class LayerSkipProposer(Proposer):
@@ -21,7 +26,7 @@ class LayerSkipProposer(Proposer):
     def __init__(self, num_layers: int | None = None) -> None:
         self.requested_layers = num_layers
 
-    def attach(self, engine) -> None:
+    def attach(self, engine: RolloutEngine) -> None:
         self.engine = engine
         total = engine.runner.num_layers
         k = self.requested_layers if self.requested_layers is not None else max(1, total // 2)

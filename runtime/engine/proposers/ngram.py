@@ -7,10 +7,15 @@ step then degenerates to one AR token for that row, still verified exactly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from .base import DraftContext, Proposal, Proposer
+
+if TYPE_CHECKING:
+    from ..engine import RolloutEngine
 
 
 def ngram_lookup(tokens: list[int], n_min: int, n_max: int, gamma: int) -> list[int]:
@@ -43,7 +48,7 @@ class NgramProposer(Proposer):
         self.n_min = n_min
         self.n_max = n_max
 
-    def attach(self, engine) -> None:
+    def attach(self, engine: RolloutEngine) -> None:
         self.device = engine.device
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(engine.max_batch_size)]
         self.indexed = [0] * engine.max_batch_size  # n-grams ending at positions < indexed[slot] are in the index
