@@ -11,7 +11,13 @@ speculative step feeds the pending token plus gamma drafts in ONE target forward
 
 Randomness: each request owns a CPU `torch.Generator` (seeded from `SamplingParams.seed`, else from the
 engine's seed) and draws a fixed number of float64 uniforms per step (AR: 1; speculative with gamma: 2*gamma+1)
-whatever is accepted, so an AR request's tokens do not depend on what else is in the batch.
+whatever is accepted, so an AR request's tokens do not depend on what else is in the batch. Greedy requests
+read no uniforms (every token is an argmax), so a batch of greedy requests draws none.
+
+Per-step overhead (the long tail runs at small batch, where a forward of a small model costs little more than
+its Python): a speculative step moves data to the host once (tokens, logprobs, and draft lengths only where the
+host lacks them), the rejection sampler touches one [B, V] row per sequence beyond the [B, gamma] acceptance
+test, and greedy batches verify by argmax without building probabilities.
 
 Logprobs: `RequestOutput.logprobs[i]` is the TARGET's log-probability of token i. With
 `SamplingParams.logprobs_mode="processed"` (default) it is taken from the processed distribution the token was
