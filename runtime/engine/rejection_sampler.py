@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from .sampling import sample_from_probs
 
@@ -58,11 +59,12 @@ def rejection_sample(
         raise ValueError(f"draft_tokens: expected shape {(b, g)}, got {tuple(draft_tokens.shape)}")
     dev = target_probs.device
     safe_tokens = draft_tokens.clamp(min=0).unsqueeze(2)
-    p_at = target_probs[:, :g].gather(2, safe_tokens).squeeze(2).double()
+    # float32 probabilities meet the float64 uniforms by type promotion (exact: no explicit casts to pay for)
+    p_at = target_probs[:, :g].gather(2, safe_tokens).squeeze(2)
     if draft_probs is None:
         accepted = accept_uniforms < p_at  # u * q(d) < p(d) with q(d) = 1
     else:
-        accepted = accept_uniforms * draft_probs.gather(2, safe_tokens).squeeze(2).double() < p_at
+        accepted = accept_uniforms * draft_probs.gather(2, safe_tokens).squeeze(2) < p_at
     steps = torch.arange(g1, device=dev).unsqueeze(0)
     if draft_lens is not None:
         accepted &= steps[:, :g] < draft_lens.unsqueeze(1)
@@ -89,8 +91,7 @@ def rejection_sample(
         weights = torch.where(use_residual.unsqueeze(1), residual, p_final)
     final_tokens = sample_from_probs(weights, final_uniforms)
 
-    out = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)
-    out = torch.where(steps < num_accepted.unsqueeze(1), out, -1)
+    out = torch.where(steps < num_accepted.unsqueeze(1), F.pad(draft_tokens, (0, 1), value=-1), -1)
     out.scatter_(1, num_accepted.unsqueeze(1), final_tokens.unsqueeze(1))
     return RejectionResult(tokens=out, num_accepted=num_accepted, final_weights=weights, residual_rows=use_residual)
 
