@@ -340,7 +340,7 @@ def test_incremental_ngram_index_matches_the_scan() -> None:
     rng = random.Random(1)
     for _ in range(200):
         proposer = NgramProposer(1, 4)
-        proposer.attach(_Engine())
+        proposer.attach(_Engine())  # type: ignore[arg-type]  # the two fields attach() reads
         toks = [rng.randrange(5) for _ in range(rng.randrange(1, 6))]
         for _ in range(30):  # the sequence grows by 1..3 tokens per step, as accepted drafts append
             gamma = rng.randrange(1, 6)
