@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import pytest
 import torch
 from specrl.runtime.engine import (
     Decision,
+    FixedController,
     RolloutEngine,
     SamplingParams,
     SpeculativeConfig,
@@ -466,3 +467,37 @@ def test_calibration_times_only_the_steps_that_ran_the_decision(target) -> None:
     assert cal.alpha["draft_model"] > 0.99  # the draft is the target: p == q, every draft accepted
     for b in (1, 2):
         assert cal.cost_model.round_cost("draft_model", 2, b) > cal.cost_model.v(b, 2)
+
+
+@pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_host_transfer_per_decode_step(method: str, temperature: float, target, draft,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode step (AR or speculative, greedy or sampled) reads device data on the host exactly once: on an
+    accelerator each read is a synchronisation, and at small batch they would cost more than the math."""
+    reads: list[str] = []
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *a: object, _original: Any = original, _name: str = name, **k: object) -> Any:
+            reads.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    per_step: list[int] = []
+
+    class Counting(FixedController):
+        def decide(self, active_batch_size: int) -> Decision:
+            reads.clear()
+            return super().decide(active_batch_size)
+
+        def observe(self, decision: Decision, record: StepRecord) -> None:
+            per_step.append(len(reads))
+
+    engine = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3),
+                           draft_model=draft if method == "draft_model" else None, max_batch_size=3,
+                           controller=Counting(None if method == "none" else method, 3))
+    prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 6, 7, 6]]
+    engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=12, seed=1))
+    assert per_step and set(per_step) == {1}, per_step
