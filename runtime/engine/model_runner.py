@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .hf_layout import Attention, Decoder, config_of, output_embeddings
 from .kv_cache import StaticKVCache
 
@@ -85,18 +86,28 @@ class Dense:
     CPU bfloat16 with native kernels: the weight is pre-packed once for oneDNN (`mkldnn._linear_pointwise`);
     measured here on SmolLM2-shaped layers, one thread: 5.0 / 5.7 / 5.6 ms for 1 / 5 / 16 rows, where
     F.linear in bf16 takes 8.3 / 8.4 / 9.5 ms and in float32 4.8 / 10.3 / 17.5 ms — a memory-bound matmul, so
-    verifying drafts is nearly free. Everywhere else: F.linear (float32 one-row GEMV is its fastest path).
+    verifying drafts is nearly free. One or two rows go to `cpu_kernels.linear_bf16` where it is built (it streams
+    the weight at 13-14 GB/s where oneDNN's one-row path reaches 9-12 GB/s; from 5 rows on oneDNN is faster).
+    Everywhere else: F.linear (float32 one-row GEMV is its fastest path).
     """
+
+    SMALL_ROWS = 2  # up to this many rows: the streaming kernel
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = None
+        self.weight = weight
+        self.kernels = None
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-        self.weight = weight
+            self.weight = weight.contiguous()
+            if cpu_kernels.fits(self.weight):
+                self.kernels = cpu_kernels.load()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.numel() <= self.SMALL_ROWS * x.shape[-1]:
+            return self.kernels.linear_bf16(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -342,7 +353,27 @@ class TransformerRunner:
         scale = float(getattr(rot, "attention_scaling", 1.0))
         self.cos_table = (emb.cos() * scale).to(self.dtype)
         self.sin_table = (emb.sin() * scale).to(self.dtype)
+        self._fused = self._fused_decode_args()
         self._signature = self._current_signature()
+
+    def _fused_decode_args(self) -> tuple[list, ...] | None:
+        """The per-layer weights `cpu_kernels.decode_layers` takes, where it can run this model: bf16 Dense
+        layers the kernel fits, no q/k norm, SiLU MLP, head_dim within the kernel's buffers."""
+        dense = [w for w in self.layers if isinstance(w.qkv, Dense) and w.qkv.kernels is not None]
+        if len(dense) != len(self.layers) or not self.layers or self.head_dim > 512 or self.head_dim % 2:
+            return None
+        probe = torch.linspace(-8, 8, 64, dtype=self.dtype)
+        for w in self.layers:
+            parts = (w.qkv, w.o, w.gate_up, w.down)
+            silu = torch.equal(w.act(probe), F.silu(probe))  # transformers has its own SiLU classes
+            if w.in_norm is None or w.qk_norm is not None or not silu \
+                    or not all(isinstance(m, Dense) and m.kernels is not None for m in parts):
+                return None
+        cols: list[list] = [[w.in_norm for w in self.layers], [w.post_norm for w in self.layers]]
+        for name in ("qkv", "o", "gate_up", "down"):
+            mods = [getattr(w, name) for w in self.layers]
+            cols += [[m.weight for m in mods], [m.bias for m in mods]]
+        return tuple(cols)
 
     def _qk_norm(self, attn: Attention) -> torch.Tensor | None:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -443,9 +474,21 @@ class TransformerRunner:
         feature-level drafter's prefill needs, without [B, T, V] logits (16 x 1024 tokens x 152k vocab is ~10 GB
         of float32).
         """
-        plan = self.plan(slot0, starts, tokens.shape[1], lens, cache.max_len)
         h = F.embedding(tokens, self.embed)
-        h = self.layers_forward(h, cache, plan, num_layers)
+        if self._fused is not None and tokens.shape == (1, 1) and lens is None \
+                and starts[0] < min(cache.max_len, self.max_positions):
+            # One token of one sequence (batch-1 decode, a drafter's step): the whole layer stack in one call.
+            n = num_layers or self.num_layers
+            kernels = cpu_kernels.load()
+            h = h.reshape(-1).clone()
+            pos = starts[0]
+            kernels.decode_layers(h, *(col[:n] for col in self._fused), cache.k[:n], cache.v[:n], slot0, pos,
+                                  self.cos_table[pos], self.sin_table[pos], self.num_heads, self.num_kv_heads,
+                                  self.eps, self.scaling)
+            h = h.view(1, 1, -1)
+        else:
+            plan = self.plan(slot0, starts, tokens.shape[1], lens, cache.max_len)
+            h = self.layers_forward(h, cache, plan, num_layers)
         if last_index is None:
             return self.head(h)
         rows = torch.arange(h.shape[0], device=h.device)
