@@ -1,0 +1,115 @@
+"""The batch-1 CPU kernels (runtime/engine/cpu_kernels.py) against the ATen path they replace: matmuls within one
+bfloat16 rounding of a float32 reference, the fused layer stack within rounding of the per-op path (greedy tokens
+equal), the 4-bit drafter kernel close to its dequantized weights, and quantized_self at batch 1 (where the 4-bit
+kernel drafts) still exact under greedy decoding and lossless in law."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig, cpu_kernels
+from specrl.runtime.engine.model_runner import Int4Dense, TransformerRunner
+
+from .conftest import make_model, reference_probs
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason="no AVX512-BF16 or no C++ compiler here: the engine runs its ATen path")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(200, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    y = cpu_kernels.load().linear_bf16(x, w, b)
+    ref = x.float() @ w.float().t() + b.float()
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
+    assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-3)
+
+
+def test_linear_q4_matches_its_dequantized_weights() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 128, generator=g)
+    dense = Int4Dense(w, None)
+    assert dense.kernels is not None
+    x = torch.randn(1, 128, generator=g).to(torch.bfloat16)
+    s, mn = dense.q4_sz.float()
+    grouped = w.view(96, 4, 32)
+    q = torch.round((grouped - grouped.amin(-1, keepdim=True)) / s.unsqueeze(-1)).clamp(0, 15)
+    ref = x.float() @ (q * s.unsqueeze(-1) + mn.unsqueeze(-1)).view(96, 128).t()
+    y = dense(x).float()
+    assert float((y - ref).norm() / ref.norm()) < 0.03  # activations are int8 per group of 32
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_decode_step_matches_the_per_op_path(kind: str) -> None:
+    model = make_model(kind, layers=2, hidden=64, seed=3)
+    runner = TransformerRunner(model, dtype=torch.bfloat16)
+    fused = runner._fused
+    assert fused is not None
+    runs, fed = [], [5, 9, 2, 14, 7, 7, 3, 11]  # the same tokens through both paths
+    for use in (None, fused):
+        runner._fused = use
+        cache = runner.new_cache(1, 32)
+        with torch.inference_mode():
+            runner.forward(cache, 0, [0], torch.tensor([[1, 2, 3, 4]]))
+            out = [runner.forward(cache, 0, [4 + i], torch.tensor([[t]]))[0][0, 0].clone() for i, t in enumerate(fed)]
+        runs.append((out, cache.k[0][0, :, :12].float().clone()))
+    (a, ka), (b, kb) = runs
+    for la, lb in zip(a, b):
+        err = float((la - lb).abs().max())
+        assert err <= 0.02 * float(la.abs().max()) + 0.05  # a few bf16 roundings
+        top = la.topk(2).values
+        assert int(la.argmax()) == int(lb.argmax()) or float(top[0] - top[1]) <= 2 * err  # only near-ties differ
+    # the first layer's keys (norm, qkv, rotary, cache write) round exactly as the per-op path does
+    assert torch.allclose(ka, kb, rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def wide_target() -> torch.nn.Module:
+    # hidden 64: every matrix takes the 4-bit kernel's layout (input features a multiple of 64)
+    return make_model("llama", layers=2, hidden=64, seed=4, head_std=0.5)
+
+
+def test_quantized_self_at_batch_1_greedy_equals_plain(wide_target) -> None:
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    plain = RolloutEngine(wide_target, max_batch_size=1, dtype="auto").generate(prompts, params)
+    engine = RolloutEngine(wide_target, SpeculativeConfig(method="quantized_self", num_speculative_tokens=3),
+                           max_batch_size=1, dtype="auto")
+    assert engine.proposers["quantized_self"].runner._fused is not None  # the 4-bit batch-1 kernels draft
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert engine.stats.draft_tokens > 0
+
+
+def test_quantized_self_at_batch_1_is_lossless(wide_target) -> None:
+    """Three-token continuations drawn one sequence at a time (so every draft goes through the 4-bit batch-1
+    kernel) against the exact law of the engine's own bf16 target (chi-square, top-k 2: 8 outcomes)."""
+    n, k, top_k, prompt = 300, 3, 2, [3, 1, 4]
+    engine = RolloutEngine(wide_target, SpeculativeConfig(method="quantized_self", num_speculative_tokens=2),
+                           max_batch_size=1, dtype="auto")
+    outs = engine.generate([prompt] * n, [SamplingParams(temperature=1.0, top_k=top_k, max_new_tokens=k, seed=s)
+                                          for s in range(n)])
+    assert engine.stats.draft_tokens > engine.stats.accepted_tokens > 0
+    runner = TransformerRunner(wide_target, dtype=torch.bfloat16)
+    law: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(k):
+            new: dict[tuple[int, ...], float] = {}
+            for ctx, p in law.items():
+                ids = prompt + list(ctx)
+                logits = runner.forward(runner.new_cache(1, 8), 0, [0], torch.tensor([ids]))[0][0, -1]
+                probs = reference_probs(logits.double().numpy()[None], 1.0, top_k, 1.0)[0]
+                new.update({ctx + (int(t),): p * float(probs[t]) for t in np.nonzero(probs)[0]})
+            law = new
+    samples = [tuple(o.token_ids) for o in outs]
+    assert all(s in law for s in samples)
+    keys = [s for s, p in law.items() if p * n >= 5]
+    observed = [samples.count(s) for s in keys] + [sum(1 for s in samples if s not in keys)]
+    expected = [law[s] * n for s in keys] + [n - sum(law[s] * n for s in keys)]
+    if expected[-1] < 1e-6:
+        observed, expected = observed[:-1], expected[:-1]
+    assert stats.chisquare(observed, np.array(expected) * sum(observed) / sum(expected)).pvalue > 1e-3
