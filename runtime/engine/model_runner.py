@@ -273,6 +273,7 @@ class TransformerRunner:
     """Runs (the first `num_layers` layers of) a Llama/Qwen2 causal LM over a StaticKVCache."""
 
     FEW_TOKENS = 16  # forwards of at most this many tokens per row attend with cpu_kernels where it runs
+    _fused: tuple[list, ...] | None = None  # cpu_kernels.decode_layers' weights (set by refresh where it runs)
 
     def __init__(self, model: nn.Module, quantize: int = 0, max_positions: int | None = None,
                  dtype: str | torch.dtype | None = None) -> None:
