@@ -482,10 +482,14 @@ class TransformerRunner:
             h = h + w.down(w.act(gu[..., :inter]) * gu[..., inter:])
         return h
 
-    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final norm + lm_head: returns (logits fp32, normed hidden)."""
+    def head(self, h: torch.Tensor, row_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm + lm_head: returns (logits fp32, normed hidden). `row_invariant`: every row's logits as a
+        one-row call computes them (the fused path's verification must round as its plain step does)."""
         hn = F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps)
-        return self.lm_head(hn).float(), hn
+        head = self.lm_head
+        if row_invariant and isinstance(head, Dense) and head.kernels is not None:
+            return head.kernels.linear_bf16(hn, head.weight, head.bias).float(), hn
+        return head(hn).float(), hn
 
     def forward(self, cache: StaticKVCache, slot0: int, starts: list[int], tokens: torch.Tensor,
                 num_layers: int | None = None, last_index: torch.Tensor | None = None, all_hidden: bool = False,
@@ -499,24 +503,28 @@ class TransformerRunner:
         of float32).
         """
         h = F.embedding(tokens, self.embed)
-        if self._fused is not None and tokens.shape == (1, 1) and lens is None \
-                and starts[0] < min(cache.max_len, self.max_positions):
-            # One token of one sequence (batch-1 decode, a drafter's step): the whole layer stack in one call.
+        t = tokens.shape[1]
+        fused = False
+        if self._fused is not None and tokens.shape[0] == 1 and t <= self.FEW_TOKENS and lens is None \
+                and starts[0] + t <= min(cache.max_len, self.max_positions):
+            # A few tokens of one sequence (batch-1 decode, its verification, a drafter's step): the whole layer
+            # stack in one call, each token computed exactly as a one-token step would compute it.
             n = num_layers or self.num_layers
-            kernels = cpu_kernels.load()
-            h = h.reshape(-1).clone()
+            h = h.reshape(t, -1).clone()
             pos = starts[0]
-            kernels.decode_layers(h, *(col[:n] for col in self._fused), cache.k[:n], cache.v[:n], slot0, pos,
-                                  self.cos_table[pos], self.sin_table[pos], self.num_heads, self.num_kv_heads,
-                                  self.intermediate, self.eps, self.scaling)
-            h = h.view(1, 1, -1)
+            cpu_kernels.load().decode_layers(
+                h, *(col[:n] for col in self._fused), cache.k[:n], cache.v[:n], slot0, pos,
+                self.cos_table[pos:pos + t], self.sin_table[pos:pos + t], self.num_heads, self.num_kv_heads,
+                self.intermediate, self.eps, self.scaling)
+            h = h.view(1, t, -1)
+            fused = True
         else:
             plan = self.plan(slot0, starts, tokens.shape[1], lens, cache.max_len)
             h = self.layers_forward(h, cache, plan, num_layers)
         if last_index is None:
-            return self.head(h)
+            return self.head(h, row_invariant=fused)
         rows = torch.arange(h.shape[0], device=h.device)
         if all_hidden:
             hn = F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps)
             return self.lm_head(hn[rows, last_index]).float(), hn
-        return self.head(h[rows, last_index])
+        return self.head(h[rows, last_index], row_invariant=fused)
