@@ -112,7 +112,7 @@ class Models:
     info: dict[str, Any]
 
 
-def _tiny_llama(vocab: int, hidden: int, layers: int, seed: int, heads: int = 4):
+def _tiny_llama(vocab: int, hidden: int, layers: int, seed: int, heads: int = 4) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -666,15 +666,16 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
         cps, tps = {n: med(v) for n, v in cpu.items()}, {n: med(v) for n, v in wall.items()}
         best = max((n for n in fixed), key=lambda n: cps[n] or 0.0)
         best_wall = max((n for n in fixed), key=lambda n: tps[n] or 0.0)
+        best_cps, best_tps, ad_cps, ad_tps = cps[best], tps[best_wall], cps["adaptive"] or 0.0, tps["adaptive"] or 0.0
         rows.append({"batch_size": b, "tokens_per_cpu_s": cps,
                      "tokens_per_cpu_s_spread": {n: spread(v) for n, v in cpu.items()},
                      "tokens_per_s": tps, "tokens_per_s_spread": {n: spread(v) for n, v in wall.items()},
                      "best_fixed": best,
-                     "adaptive_vs_best": (cps["adaptive"] or 0.0) / cps[best] if cps[best] else None,
+                     "adaptive_vs_best": ad_cps / best_cps if best_cps else None,
                      "adaptive_vs_best_per_repeat": [round(a / f, 3) for a, f in zip(cpu["adaptive"], cpu[best])
                                                      if f],
                      "best_fixed_wall": best_wall,
-                     "adaptive_vs_best_wall": (tps["adaptive"] or 0.0) / tps[best_wall] if tps[best_wall] else None,
+                     "adaptive_vs_best_wall": ad_tps / best_tps if best_tps else None,
                      "model_choice": label(adaptive.choose(b))})
     return rows
 

@@ -13,6 +13,11 @@ optimizer steps, weight sync) are picked up automatically at the next `generate`
 
 `quantize=4|8` builds the quantized_self drafter: every matmul (lm_head included) reads 4-bit group-wise or int8
 per-channel weights (re-quantized from the policy on refresh); `quantize_bits` picks 4 where the CPU kernel exists.
+
+On a CPU with AVX512-BF16 (and a C++ compiler), bfloat16 and 4-bit runners take `cpu_kernels` for forwards of one
+sequence and at most FEW_TOKENS tokens (batch-1 decode, its verification, batch-1 drafting): the whole layer stack
+in one C++ call, each token computed exactly as a one-token step computes it. Larger forwards keep the per-op path,
+whose few-token forwards share the same attention routine.
 """
 
 from __future__ import annotations
@@ -175,8 +180,8 @@ class Int4Dense:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.bias = bias
         self.out_features = n
-        # One or two rows (batch-1 drafting): cpu_kernels' 4-bit layout and int8-activation kernel, ~1.6x faster
-        # than ATen's int4 kernel at one row here (it is compute-bound there; from 4 rows on ATen's is faster).
+        # One or two rows (batch-1 drafting) and the fused batch-1 path: cpu_kernels' 4-bit layout and kernel
+        # (ATen's int4 kernel is compute-bound at one row here; from 4 rows on it is the faster one).
         self.kernels = cpu_kernels.load() if k % 64 == 0 else None
         if self.kernels is not None:
             self.q4_packed, s, mn = self.kernels.pack_q4(q, scale.view(n, -1), lo.view(n, -1))

@@ -74,7 +74,7 @@ def wide_target() -> torch.nn.Module:
     return make_model("llama", layers=2, hidden=64, seed=4, head_std=0.5)
 
 
-def test_quantized_self_at_batch_1_greedy_equals_plain(wide_target) -> None:
+def test_quantized_self_at_batch_1_greedy_equals_plain(wide_target: torch.nn.Module) -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     plain = RolloutEngine(wide_target, max_batch_size=1, dtype="auto").generate(prompts, params)
@@ -85,7 +85,7 @@ def test_quantized_self_at_batch_1_greedy_equals_plain(wide_target) -> None:
     assert engine.stats.draft_tokens > 0
 
 
-def test_quantized_self_at_batch_1_is_lossless(wide_target) -> None:
+def test_quantized_self_at_batch_1_is_lossless(wide_target: torch.nn.Module) -> None:
     """Three-token continuations drawn one sequence at a time (so every draft goes through the 4-bit batch-1
     kernel) against the exact law of the engine's own bf16 target (chi-square, top-k 2: 8 outcomes)."""
     n, k, top_k, prompt = 300, 3, 2, [3, 1, 4]
