@@ -11,6 +11,7 @@ import torch
 from scipy import stats
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig, cpu_kernels
 from specrl.runtime.engine.model_runner import Int4Dense, TransformerRunner
+from specrl.runtime.engine.proposers.draft_model import DraftModelProposer
 
 from .conftest import make_model, reference_probs
 
@@ -80,7 +81,9 @@ def test_quantized_self_at_batch_1_greedy_equals_plain(wide_target: torch.nn.Mod
     plain = RolloutEngine(wide_target, max_batch_size=1, dtype="auto").generate(prompts, params)
     engine = RolloutEngine(wide_target, SpeculativeConfig(method="quantized_self", num_speculative_tokens=3),
                            max_batch_size=1, dtype="auto")
-    assert engine.proposers["quantized_self"].runner._fused is not None  # the 4-bit batch-1 kernels draft
+    drafter = engine.proposers["quantized_self"]
+    assert isinstance(drafter, DraftModelProposer) and drafter.runner is not None
+    assert drafter.runner._fused is not None  # the 4-bit batch-1 kernels draft
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in plain]
     assert engine.stats.draft_tokens > 0
 
