@@ -15,7 +15,10 @@ and the engine keeps its ATen/oneDNN path. The kernels are exercised against tha
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -379,12 +382,21 @@ _module: Any = None
 _tried = False
 
 
-def _cpu_has_avx512_bf16() -> bool:
+def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
+        return ""
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in _cpu_flags().split()
+
+
+def buildable() -> bool:
+    """Where the kernels must build: the CPU has AVX512-BF16 and the toolchain torch needs is on PATH."""
+    return _cpu_has_avx512_bf16() and all(shutil.which(tool) for tool in ("c++", "ninja"))
 
 
 def load() -> Any:
@@ -399,11 +411,16 @@ def load() -> Any:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            build = Path(os.environ.get("SPECRL_KERNEL_CACHE", Path.home() / ".cache" / "specrl" / "kernels"))
+            # -march=native code: one build folder per instruction-set flags, so a home folder shared between
+            # different CPUs never loads a binary compiled for another one
+            cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
+            build = Path(os.environ.get("SPECRL_KERNEL_CACHE", Path.home() / ".cache" / "specrl" / "kernels")) / cpu
             build.mkdir(parents=True, exist_ok=True)
             _module = load_inline("specrl_decode_kernels", cpp_sources=_SOURCE, functions=None,
                                   extra_cflags=["-O3", "-march=native"], build_directory=str(build), verbose=False)
-        except Exception:  # noqa: BLE001 - no compiler / headers / ninja: the ATen path is the fallback
+        except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the ATen path is the fallback
+            logging.getLogger(__name__).warning("batch-1 CPU kernels not built (%s: %s); the engine uses ATen",
+                                                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             _module = None
         return _module
 
