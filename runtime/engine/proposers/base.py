@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..sampling import BatchSamplingTensors
+from ..sampling import BatchSamplingTensors, process_logits, sample_from_probs
 
 if TYPE_CHECKING:
     from ..engine import RolloutEngine
@@ -32,6 +32,34 @@ class Proposal:
     probs: torch.Tensor | None  # [B, gamma, V] fp32, the distribution each draft was sampled from; None = one-hot
     lens: torch.Tensor | None = None  # [B] int64 drafts per row; None = gamma for every row
     host_lens: list[int] | None = None  # the same lengths as host ints, when the proposer has them (no transfer)
+
+
+class DraftCollector:
+    """A proposer's drafts, one position at a time, from its logits [B, V] at that position.
+
+    A greedy batch drafts the argmax with a one-hot q (`Proposal.probs` None: no [B, gamma, V] buffer, and the
+    rejection sampler's one-hot path); otherwise each draft is sampled from its processed distribution with the
+    row's uniform for that position, and the distributions are kept for the rejection sampler."""
+
+    def __init__(self, ctx: DraftContext) -> None:
+        self.ctx = ctx
+        self.tokens: list[torch.Tensor] = []
+        self.dists: list[torch.Tensor] = []
+
+    def add(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next draft token per row [B] (int64)."""
+        if self.ctx.sampling.all_greedy:
+            d = logits.argmax(dim=-1)
+        else:
+            q = process_logits(logits, self.ctx.sampling)
+            d = sample_from_probs(q, self.ctx.uniforms[:, len(self.tokens)])
+            self.dists.append(q)
+        self.tokens.append(d)
+        return d
+
+    def proposal(self) -> Proposal:
+        return Proposal(tokens=torch.stack(self.tokens, dim=1),
+                        probs=torch.stack(self.dists, dim=1) if self.dists else None)
 
 
 class Proposer:

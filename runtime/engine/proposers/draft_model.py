@@ -15,8 +15,7 @@ from torch import nn
 
 from ..hf_layout import config_of
 from ..model_runner import TransformerRunner
-from ..sampling import process_logits, sample_from_probs
-from .base import DraftContext, Proposal, Proposer
+from .base import DraftCollector, DraftContext, Proposal, Proposer
 
 if TYPE_CHECKING:
     from ..engine import RolloutEngine
@@ -83,21 +82,13 @@ class DraftModelProposer(Proposer):
         if last is None:
             logits = logits[:, 0]
         n = [len(t) for t in ctx.tokens]
-        greedy = ctx.sampling.all_greedy
-        drafts: list[torch.Tensor] = []
-        dists: list[torch.Tensor] = []
+        drafts = DraftCollector(ctx)
         for j in range(gamma):
-            if greedy:  # a greedy draft is deterministic: its q is one-hot on the argmax (Proposal.probs None)
-                d = logits.argmax(dim=-1)
-            else:
-                q = process_logits(logits, ctx.sampling)
-                d = sample_from_probs(q, ctx.uniforms[:, j])
-                dists.append(q)
-            drafts.append(d)
+            d = drafts.add(logits)
             if j + 1 < gamma:
                 # d_{j+1} sits at position n-1+j+1 = n+j.
                 logits, _ = runner.forward(self.cache, 0, [x + j for x in n], d.unsqueeze(1))
                 logits = logits[:, 0]
         for i in range(b):
             self.lens[i] = n[i] + gamma - 1
-        return Proposal(tokens=torch.stack(drafts, dim=1), probs=None if greedy else torch.stack(dists, dim=1))
+        return drafts.proposal()

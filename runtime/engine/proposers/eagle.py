@@ -30,8 +30,7 @@ from torch import nn
 
 from ..hf_layout import DecoderLayer, config_of, output_embeddings
 from ..model_runner import Dense, LayerWeights, TransformerRunner, decoder_of
-from ..sampling import process_logits, sample_from_probs
-from .base import DraftContext, Proposal, Proposer
+from .base import DraftCollector, DraftContext, Proposal, Proposer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -260,19 +259,15 @@ class EagleProposer(Proposer):
                            dtype=torch.int64, device=dev)
         last = torch.tensor([c - 1 for c in counts], dtype=torch.int64, device=dev)
         logits, g = runner.step(self.cache, starts, feats, nxt, last_index=last, lens=counts)
-        tokens = torch.empty((b, gamma), dtype=torch.int64, device=dev)
-        probs = torch.empty((b, gamma, runner.vocab_size), dtype=torch.float32, device=dev)
+        drafts = DraftCollector(ctx)
         for j in range(gamma):
-            q = process_logits(logits, ctx.sampling)
-            d = sample_from_probs(q, ctx.uniforms[:, j])
-            tokens[:, j] = d
-            probs[:, j] = q
+            d = drafts.add(logits)
             if j + 1 < gamma:
                 logits, g = runner.step(self.cache, [x + j for x in m], g.unsqueeze(1), d.unsqueeze(1))
                 logits, g = logits[:, 0], g[:, 0]
         for i in range(b):
             self.head_lens[i] = m[i]
-        return Proposal(tokens=tokens, probs=probs)
+        return drafts.proposal()
 
 
 # -- export in vLLM's EAGLE layout --------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..sampling import process_logits, sample_from_probs
-from .base import DraftContext, Proposal, Proposer
+from .base import DraftCollector, DraftContext, Proposal, Proposer
 
 if TYPE_CHECKING:
     from ..engine import RolloutEngine
@@ -43,17 +42,8 @@ class LayerSkipProposer(Proposer):
         dev = runner.device
         n = [len(t) for t in ctx.tokens]
         tok = torch.tensor([[t[-1]] for t in ctx.tokens], dtype=torch.int64, device=dev)
-        greedy = ctx.sampling.all_greedy
-        drafts: list[torch.Tensor] = []
-        dists: list[torch.Tensor] = []
+        drafts = DraftCollector(ctx)
         for j in range(gamma):
             logits, _ = runner.forward(cache, 0, [x - 1 + j for x in n], tok, num_layers=self.num_layers)
-            if greedy:  # deterministic draft: q is one-hot on the argmax (Proposal.probs None)
-                d = logits[:, 0].argmax(dim=-1)
-            else:
-                q = process_logits(logits[:, 0], ctx.sampling)
-                d = sample_from_probs(q, ctx.uniforms[:, j])
-                dists.append(q)
-            drafts.append(d)
-            tok = d.unsqueeze(1)
-        return Proposal(tokens=torch.stack(drafts, dim=1), probs=None if greedy else torch.stack(dists, dim=1))
+            tok = drafts.add(logits[:, 0]).unsqueeze(1)
+        return drafts.proposal()
