@@ -97,6 +97,15 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+def local_threads(settings: RunSettings, cores: int) -> int:
+    """Torch threads per worker when every worker shares this machine. Sync mode alternates the phases (rollouts,
+    then training), so each phase may use every core; async mode overlaps them, and so does drafter training,
+    which runs on the trainers while the rollouts decode: then the cores are split between all workers."""
+    overlap = settings.mode == "async" or settings.drafter_training
+    sharing = settings.trainers + settings.rollouts if overlap else max(settings.trainers, settings.rollouts)
+    return max(1, cores // max(1, sharing))
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -155,6 +164,7 @@ def run_job(settings: RunSettings, out_dir: Path, *, progress: bool = True, meas
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    settings = settings.replace(torch_threads=local_threads(settings, _cores()))
     build_models(settings, progress)
     start_ray()
     opts = {"http_port": free_port(), **(coordinator_options or {})}

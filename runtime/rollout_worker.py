@@ -104,6 +104,22 @@ def max_model_len(problems: list, tokenizer: Any, max_new_tokens: int, model_pos
     return min(wanted, model_positions) if model_positions else wanted
 
 
+# The static KV caches of one native engine (the policy's; a drafter's is smaller) may take this much memory.
+KV_CACHE_BUDGET_BYTES = 2 << 30
+
+
+def engine_slots(wanted: int, max_len: int, config: Any, dtype_bytes: int,
+                 budget: int = KV_CACHE_BUDGET_BYTES) -> int:
+    """Concurrent sequences of a native engine (vLLM's max_num_seqs): a worker's whole assignment at once, so
+    continuous batching starts at full batch and the step's long tail decodes at small batch, as on a GPU; fewer
+    when the preallocated static KV cache would pass `budget` (never fewer than 16)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_slot = 2 * config.num_hidden_layers * kv_heads * head_dim * max_len * dtype_bytes
+    return max(1, min(wanted, max(16, budget // max(1, per_slot))))
+
+
 def prompt_style(tokenizer: Any) -> str:
     """The synthetic task's prompt form for this tokenizer: the toy form only for the character tokenizer."""
     from .rl.tokenizer import CharTokenizer
@@ -151,13 +167,15 @@ class RolloutWorker:
                                                settings.max_new_tokens,
                                                getattr(self.model.config, "max_position_embeddings", None))
             dtype = decode_dtype(settings.dtype, device)
-            self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft,
+            slots = engine_slots(settings.prompts_per_step * settings.group_size, self.max_model_len,
+                                 self.model.config, getattr(torch, dtype).itemsize)
+            self.engine = RolloutEngine(self.model, speculative=spec, draft_model=self.draft, max_batch_size=slots,
                                         max_model_len=self.max_model_len, dtype=dtype)
             if settings.adaptive and settings.method != "none":
                 self._install_adaptive_controller()
             # Plain decoding on the same weights: the side-by-side baseline (and the SD-off path).
             self.ar_engine = RolloutEngine(self.model, speculative=SpeculativeConfig(method="none"),
-                                           max_model_len=self.max_model_len, dtype=dtype)
+                                           max_batch_size=slots, max_model_len=self.max_model_len, dtype=dtype)
         self.weight_version = 0
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
@@ -395,7 +413,7 @@ class RolloutWorker:
                 "weight_version": self.weight_version, "problems": len(problems) // repeat,
                 "samples_per_problem": repeat, "temperature": 0.0 if samples <= 0 else self.settings.temperature}
 
-    def compare_rollout(self, items: list[tuple[str, int]], step: int, repeats: int = 3) -> dict[str, Any]:
+    def compare_rollout(self, items: list[tuple[str, int]], step: int, repeats: int = 5) -> dict[str, Any]:
         """The same prompts with SD on and with plain decoding, same weights and per-sample seeds, alternating
         which goes first; `repeats` pairs, so the median ratio resists load spikes from other processes.
 
@@ -407,6 +425,10 @@ class RolloutWorker:
         sd_t, ar_t, ratios = [], [], []
         sd = ar = None
         traces: dict[bool, list[list]] = {}
+        # One untimed pass of each first: the first full-batch generate after a weight sync pays one-off costs
+        # (the decode-dtype copy of the new weights, first-touch of cache pages) that belong to neither side.
+        for use_sd in (True, False):
+            self.generate(items, step, use_sd=use_sd)
         for r in range(max(1, repeats)):
             order = (True, False) if r % 2 == 0 else (False, True)
             times = {}

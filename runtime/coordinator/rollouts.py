@@ -138,7 +138,7 @@ class RolloutPool:
             front = ledger.queue[0].step
             if not may_rollout(front, self.version, s.staleness):
                 return
-            n = chunk_size(ledger.queued_for(front), len(idle), s.chunk_prompts)
+            n = chunk_size(ledger.queued_for(front), len(idle), s.chunk_prompts or s.prompts_per_step)
             assignments = []
             for name in idle:
                 items = ledger.take(name, n, step=front)

@@ -61,7 +61,9 @@ class RunSettings:
     eval_every: int = 0  # held-out greedy eval after every N steps (0 = only before/after, in `specrl run`)
     eval_size: int = 256  # held-out greedy eval before/after: large enough that a few-point rise is not noise
     micro_batch: int = 16
-    chunk_prompts: int = 2
+    # Prompts per rollout assignment; 0: the step's prompts spread over the idle workers, one generate() each, so
+    # continuous batching sees the whole batch (small chunks decode every chunk's own tail at small batch).
+    chunk_prompts: int = 0
     torch_threads: int = 1
     reward_timeout_s: float = 30.0
     sync_timeout_s: float = 120.0

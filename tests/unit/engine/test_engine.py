@@ -431,6 +431,22 @@ def test_rollout_worker_context_is_prompt_plus_budget() -> None:
     assert max_model_len(problems, tok, 16, model_positions=10) == 10
 
 
+def test_rollout_worker_engine_holds_a_whole_step_unless_the_kv_cache_would_not_fit() -> None:
+    from types import SimpleNamespace
+
+    from specrl.runtime.rollout_worker import engine_slots
+
+    # tiny-shaped: 2 layers x 4 heads x 32 dims, 200 positions, bf16: 51 KB a slot
+    tiny = SimpleNamespace(num_attention_heads=4, num_key_value_heads=4, hidden_size=128, num_hidden_layers=2)
+    assert engine_slots(384, 200, tiny, 2) == 384
+    # SmolLM2-shaped (30 layers, 3 KV heads of 64) at 8192 positions in float32: ~377 MB a slot
+    smol = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30,
+                           head_dim=64)
+    per_slot = 2 * 30 * 3 * 64 * 8192 * 4
+    assert engine_slots(512, 8192, smol, 4, budget=64 * per_slot) == 64
+    assert engine_slots(512, 8192, smol, 4, budget=per_slot) == 16  # never below 16 concurrent sequences
+    assert engine_slots(4, 8192, smol, 4) == 4
+
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "quantized_self"])
 def test_acceptance_accounting_is_per_drafting_row(method: str, target, draft) -> None:
     """accepted <= drafted <= γ·rows per step; acceptance length = 1 + accepted / (rows that drafted) never exceeds

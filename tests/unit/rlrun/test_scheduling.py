@@ -241,3 +241,15 @@ def test_checkpoint_listing_and_pruning(tmp_path):
     assert str(latest_checkpoint(tmp_path)).endswith("step-000004")
     prune_checkpoints(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
+
+
+def test_local_workers_share_the_cores_only_when_their_phases_overlap():
+    from specrl.runtime.local import local_threads
+    from specrl.runtime.rl.settings import RunSettings
+
+    sync = RunSettings(mode="sync", drafter_training=False, trainers=1, rollouts=1)
+    assert local_threads(sync, 2) == 2  # rollouts, then training: each phase gets both cores
+    assert local_threads(sync.replace(rollouts=2), 4) == 2
+    assert local_threads(sync.replace(mode="async"), 2) == 1  # rollouts and training at once
+    assert local_threads(sync.replace(drafter_training=True), 2) == 1  # the drafter trains during the rollouts
+    assert local_threads(sync.replace(trainers=4, mode="async"), 2) == 1  # never below one thread
