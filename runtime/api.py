@@ -533,8 +533,8 @@ class FaultToleranceSpec(_Strict):
 
     rollout_chunk_timeout_seconds: float = Field(default=900.0, alias="rolloutChunkTimeoutSeconds", ge=1,
                                                  le=86400, description=(
-        "A rollout worker that holds one chunk of prompts longer is treated as hung: it is retired and its "
-        "prompts go back to the queue."))
+        "A rollout worker whose chunk of prompts makes no progress (no new decode step) for this long is treated "
+        "as hung: it is retired and its prompts go back to the queue."))
     prompt_retries: int = Field(default=2, alias="promptRetries", ge=0, le=100, description=(
         "A prompt whose rollout raised (a task error, not a worker death) is retried alone this many times, then "
         "dropped with a counted reason (specrl_rollout_prompts_dropped_total)."))

@@ -179,6 +179,7 @@ class RolloutWorker:
         self.weight_version = 0
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._lock = threading.Lock()
+        self._live: tuple[list, int] | None = None  # (the busy engine's step records, how many predate this call)
         self._sync_group: SyncGroup | None = None
         self._receiver: WeightReceiver | None = None
         self.active_sequences = 0
@@ -205,6 +206,18 @@ class RolloutWorker:
 
     def ping(self) -> str:
         return self.name
+
+    def decoding(self) -> dict[str, int]:
+        """What this worker's running `generate` is doing, answered from another actor thread: `sequences` still
+        decoding (the coordinator's long-tail signal: the batch of the engine's latest decode step, which only
+        shrinks as sequences finish; the whole assignment before the first step and on engines without step
+        records) and `steps` decoded so far (its progress, the hang detector's clock)."""
+        live = self._live
+        if live is not None:
+            steps, first = live
+            if len(steps) > first:
+                return {"sequences": int(steps[-1].batch_size), "steps": len(steps) - first}
+        return {"sequences": self.active_sequences, "steps": 0}
 
     # -- weights --------------------------------------------------------------------------------------
 
@@ -343,10 +356,15 @@ class RolloutWorker:
         engine = self._engine(use_sd)
         before = stats_snapshot(engine.stats)
         self.active_sequences = len(prompts)
+        steps = getattr(engine.stats, "steps", None)
+        self._live = (steps, len(steps)) if steps is not None else None
         t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
+        try:
+            outs = engine.generate(prompts, params)
+        finally:
+            self._live = None
+            self.active_sequences = 0
         seconds = time.perf_counter() - t0
-        self.active_sequences = 0
         delta = stats_delta(stats_snapshot(engine.stats), before)
         samples: list[dict] = []
         tokens = 0

@@ -93,6 +93,10 @@ class JobCoordinator:
         self.trained_through = 0
         self.phase = Phase.STARTING
         self.long_tail = False
+        # Sequences the rollout workers decode right now, by their own live counts (None: outside a step's rollout
+        # phase, where the chunks in flight are the estimate).
+        self.decoding: int | None = None
+        self.last_samples: list[dict] = []  # the last trained step's rollouts (drafter training material)
         self.complete = False
         self.failed: str | None = None
         self.sd_enabled = settings.method != "none"
@@ -176,7 +180,8 @@ class JobCoordinator:
         with self.lock:
             m = self.cm
             m.queue_depth.set(len(self.ledger.queue))
-            m.active_sequences.set(self.ledger.in_flight_count() * self.settings.group_size)
+            live = self.decoding
+            m.active_sequences.set(live if live is not None else self.ledger.in_flight_count() * self.settings.group_size)
             m.long_tail.set(1 if self.long_tail else 0)
             m.weight_version.set(self.weight_version)
             m.trainer_backlog.set(self.trainer_backlog)
@@ -330,6 +335,7 @@ class JobCoordinator:
             self.step = step + 1
             self.history.append(rec)
             self.phase = Phase.ROLLOUT
+        self.last_samples = samples
         self.pool.close_step(step)
         if s.checkpoint_dir and s.checkpoint_interval and (step + 1) % s.checkpoint_interval == 0:
             path = str(checkpoints.checkpoint_path(s.checkpoint_dir, step + 1))
@@ -344,16 +350,20 @@ class JobCoordinator:
         while not self.pool.step_done(step):
             self._handle_drains_and_joins()
             self.pool.dispatch()
+            active = self.pool.active_sequences(step)  # asks the busy workers: outside the lock
             with self.lock:
-                tail = is_long_tail(self.ledger.queued_for(step), self.pool.active_sequences(step), s.step_batch,
-                                    s.long_tail_fraction)
+                tail = is_long_tail(self.ledger.queued_for(step), active, s.step_batch, s.long_tail_fraction)
                 self.long_tail = tail
+                self.decoding = active
                 if tail:
                     self.phase = Phase.LONG_TAIL
             if tail and tail_start is None:
                 tail_start = time.perf_counter()
-            if tail and not self.drafter.running and s.drafter_training and self.pool.results[step]:
-                self.drafter.start(self.pool.results[step], deadline_s=max(0.5, s.extra.get("drafter_seconds", 10.0)))
+            # The drafter distils the freshest rollouts there are: this step's finished ones or, while a worker
+            # still holds its whole chunk, the previous step's (one weight version older).
+            recent = self.pool.results[step] or self.last_samples
+            if tail and not self.drafter.running and s.drafter_training and recent:
+                self.drafter.start(recent, deadline_s=max(0.5, s.extra.get("drafter_seconds", 10.0)))
             if not self.pool.in_flight:
                 if not self.pool.schedulable():
                     raise RuntimeError("no active rollout worker left to run the step")
@@ -362,6 +372,7 @@ class JobCoordinator:
             self.pool.update_rate(step, t0)
         with self.lock:
             self.long_tail = False
+            self.decoding = None
         end = time.perf_counter()
         return end - t0, end - tail_start if tail_start is not None else 0.0
 

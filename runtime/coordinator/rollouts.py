@@ -9,7 +9,7 @@ Failures are told apart by what Ray reports:
 - task error (the worker is alive, its `generate` raised: a bug, one bad prompt): the worker stays; every
   prompt of the chunk counts one failure and is retried alone, at most `promptRetries` times, then dropped
   with a counted reason, and the step trains without it;
-- a chunk held longer than `rolloutChunkTimeoutSeconds`: the worker is hung; it is killed and retired, its
+- a chunk without progress (no new decode step) for `rolloutChunkTimeoutSeconds`: the worker is hung; it is killed and retired, its
   chunk requeued, the timeout counted.
 """
 
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..scheduling import PromptItem, WorkerState, chunk_size, may_rollout
+
+LIVE_COUNT_TIMEOUT_S = 0.5
 from .placement import Placement, kill_actors
 from .records import acceptance_length
 from .shared import Shared
@@ -33,6 +35,11 @@ class Chunk:
     worker: str
     items: list[PromptItem]
     started: float
+    progressed: float = 0.0  # when the worker last reported a new decode step for it (the hang clock)
+    steps: int = -1  # decode steps the worker had reported
+
+    def __post_init__(self) -> None:
+        self.progressed = self.progressed or self.started
 
 
 class RolloutPool:
@@ -124,8 +131,25 @@ class RolloutPool:
                 it.step == step for c in self.in_flight.values() for it in c.items)
 
     def active_sequences(self, step: int) -> int:
-        return sum(len(c.items) for c in self.in_flight.values()
-                   if c.items and c.items[0].step == step) * self.sh.settings.group_size
+        """Sequences of `step` still decoding. A worker decodes its whole chunk as one continuously batched
+        generate, so only it knows how many are left: each busy worker is asked (its engine's last decode batch);
+        one that does not answer within LIVE_COUNT_TIMEOUT_S counts its whole chunk."""
+        import ray
+
+        group = self.sh.settings.group_size
+        asked = [(c, self.actors[c.worker].decoding.remote()) for c in list(self.in_flight.values())
+                 if c.items and c.items[0].step == step and c.worker in self.actors]
+        total = 0
+        for chunk, ref in asked:
+            try:
+                live = ray.get(ref, timeout=LIVE_COUNT_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - busy past the timeout, or gone: the chunk's own size
+                total += len(chunk.items) * group
+                continue
+            total += min(int(live["sequences"]), len(chunk.items) * group)
+            if live["steps"] != chunk.steps:  # a decode step since the last answer: not hung, however long it runs
+                chunk.steps, chunk.progressed = int(live["steps"]), time.perf_counter()
+        return total
 
     def dispatch(self) -> None:
         """Give every idle active rollout worker a chunk of the queue's front step, if its weights allow."""
@@ -201,18 +225,20 @@ class RolloutPool:
         self.sh.cm.prompts_requeued.inc(len(again))
 
     def _expire_hung(self) -> None:
-        """Retire workers whose chunk outran the timeout. Its prompts count a failure too: a prompt that hangs
-        every worker it lands on must not take the whole pool down, so it is retried alone, then dropped."""
+        """Retire workers whose chunk made no progress within the timeout: no new decode step reported (a chunk
+        is a worker's whole share of a step, which may rightly decode for longer than that), or, from workers that
+        report none, no result. Its prompts count a failure too: a prompt that hangs every worker it lands on
+        must not take the whole pool down, so it is retried alone, then dropped."""
         limit = self.sh.settings.chunk_timeout_s
         now = time.perf_counter()
-        for chunk in [c for c in self.in_flight.values() if now - c.started > limit]:
+        for chunk in [c for c in self.in_flight.values() if now - c.progressed > limit]:
             with self.sh.lock:
                 again, dropped = self.sh.ledger.fail(chunk.worker, self.sh.settings.prompt_retries,
-                                                     f"rollout chunk timed out after {limit:g}s")
+                                                     f"rollout chunk made no progress for {limit:g}s")
             self.sh.cm.rollout_chunk_timeouts.inc()
             self.sh.cm.prompts_requeued.inc(len(again))
             self.sh.cm.prompts_dropped.inc(len(dropped))
-            self.worker_lost(chunk.worker, f"hung: a chunk ran longer than {limit:g}s")
+            self.worker_lost(chunk.worker, f"hung: no progress on its chunk for {limit:g}s")
 
     def _accept(self, name: str, items: list[PromptItem], out: dict) -> None:
         step = items[0].step
