@@ -65,6 +65,7 @@ class RunSettings:
     # continuous batching sees the whole batch (small chunks decode every chunk's own tail at small batch).
     chunk_prompts: int = 0
     torch_threads: int = 1
+    trainer_threads: int = 0  # the trainers' intra-op threads (0: torch_threads)
     reward_timeout_s: float = 30.0
     sync_timeout_s: float = 120.0
     chunk_timeout_s: float = 900.0

@@ -207,7 +207,7 @@ class TrainerWorker:
         from ..devices import device_for, weights_dtype
         from ..models.hub import load_causal_lm, load_tokenizer, parse_dtype
 
-        torch.set_num_threads(max(1, settings.torch_threads))
+        torch.set_num_threads(max(1, settings.trainer_threads or settings.torch_threads))
         self.settings, self.rank, self.world_size = settings, rank, world_size
         # Ray gives this actor its pod's GPUs and sets CUDA_VISIBLE_DEVICES: local rank 0 is cuda:0 there.
         self.device = device_for(settings.gpus_per_pod)
