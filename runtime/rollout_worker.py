@@ -12,7 +12,6 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -376,10 +375,11 @@ class RolloutWorker:
             reward = self.reward(problem.prompt, text, problem.answer)
             from .rl.task import is_correct
 
-            samples.append(asdict(Sample(prompt_id=pid, prompt_ids=prompts[k], response_ids=ids,
-                                         logprobs=[float(x) for x in out.logprobs], reward=reward,
-                                         weight_version=version, finish_reason=str(out.finish_reason),
-                                         correct=is_correct(text, problem.answer, self.last_number))))
+            # vars, not dataclasses.asdict: asdict deep-copies every token list (~90 ms of a 384-sample step)
+            samples.append(vars(Sample(prompt_id=pid, prompt_ids=prompts[k], response_ids=ids,
+                                        logprobs=[float(x) for x in out.logprobs], reward=reward,
+                                        weight_version=version, finish_reason=str(out.finish_reason),
+                                        correct=is_correct(text, problem.answer, self.last_number))))
             tokens += len(ids)
             if self.metrics is not None:
                 self.metrics.response_length.observe(len(ids))
