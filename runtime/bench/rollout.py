@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -41,9 +41,6 @@ from ..engine.adaptive import AdaptiveController, AdaptiveSettings, label
 from ..engine.calibration import Calibration, calibrate
 from ..engine.control import Decision, FixedController, StepRecord
 from ..engine.model_runner import decoder_of
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 BENCH_SEED = 20260522
 TARGET = "builtin:bench"
@@ -370,17 +367,6 @@ def memory_bandwidth_gb_s(megabytes: int = 256, repeats: int = 7) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def bytes_per_decode_token(model: PreTrainedModel) -> int:
-    """Weight bytes one batch-1 decode step must read: every matrix, except the input embedding (one row)."""
-    total = 0
-    embed = decoder_of(model).embed_tokens.weight
-    for p in model.parameters():
-        total += p.numel() * p.element_size() if p is not embed else embed.shape[1] * embed.element_size()
-    if getattr(model.config, "tie_word_embeddings", False):
-        total += embed.numel() * embed.element_size()  # the tied lm_head reads the whole matrix
-    return total
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # lossless checks
 
@@ -591,7 +577,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
 
     phase("batch1_and_hf")
     bandwidth = max(memory_bandwidth_gb_s(64 if plan.quick else 256) for _ in range(2))
-    bpt = bytes_per_decode_token(models.target)
+    bpt = engine_bytes_per_step(engine)  # the bytes the engine reads (its dtype), not the checkpoint's
     roofline_tps = bandwidth * 1e9 / bpt
     engine_ar_bs1 = med(bs1["ar"]) or 0.0
 
@@ -625,7 +611,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
                        "prompts": len(bs1_prompts)},
         "hf": {"ar_batched_tokens_per_s": hf_ar_tps, "ar_bs1_tokens_per_s": med(bs1["hf_ar"]),
                "assisted_bs1_tokens_per_s": med(bs1["hf_assisted"]), "assisted_prompts": len(hf_prompts)},
-        "roofline": {"bandwidth_gb_s": bandwidth, "bytes_per_token": bpt, "tokens_per_s": roofline_tps},
+        "roofline": {"bandwidth_gb_s": bandwidth, "bytes_per_step": bpt, "tokens_per_s": roofline_tps},
         "roofline_fraction_bs1": engine_ar_bs1 / roofline_tps if roofline_tps else None,
         "sweep": sweep,
         "lossless": lossless,
