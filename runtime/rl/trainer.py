@@ -199,6 +199,14 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: Any = None) -> Non
         offset += n
 
 
+def contributes(sample: Sample) -> bool:
+    """Whether a sample can move the policy without a KL term: its per-token loss is ratio x advantage (clipped),
+    importance weights included, so an advantage of exactly 0 gives a zero loss and a zero gradient. Skipping those
+    samples leaves the gradient the same (up to the order of float sums: the loss is divided by the step's full
+    token count either way) and saves their forward and backward: every group whose samples all scored the same."""
+    return sample.advantage != 0.0
+
+
 class TrainerWorker:
     """One data-parallel trainer rank. Rank 0 also owns the drafter master copy and sends weights."""
 
@@ -328,9 +336,11 @@ class TrainerWorker:
         n_mb, epochs = max(1, s.mini_batches), max(1, s.epochs)
         updates = epochs * n_mb
         # interleaved: every mini-batch sees all groups; sorted by length so micro-batches pad little (the loss is
-        # a sum over tokens, so the order does not change the gradient)
-        mini_batches = [sorted(samples[i::n_mb], key=lambda x: len(x.prompt_ids) + len(x.response_ids))
-                        for i in range(n_mb)]
+        # a sum over tokens, so the order does not change the gradient). Samples whose loss is identically zero
+        # (advantage 0 and no KL term: a group where every sample scored the same) are not run at all.
+        keep = contributes if self.ref_model is None else (lambda _x: True)
+        mini_batches = [sorted((x for x in samples[i::n_mb] if keep(x)),
+                               key=lambda x: len(x.prompt_ids) + len(x.response_ids)) for i in range(n_mb)]
         # Every rank divides by the same global count, so the summed gradient is the single-process one; with
         # mini-batches each update sees about 1/n_mb of the step's tokens.
         denom = max(1, round(total_tokens / n_mb))
@@ -364,6 +374,9 @@ class TrainerWorker:
                     stats["kl"] += out.kl * w
                     stats["behaviour_weight"] += out.mean_behaviour_weight * w
                     stats["tokens"] += w
+                if not mb:  # nothing contributes: the update still runs on zero gradients, as it would have
+                    for p in self.model.parameters():
+                        p.grad = torch.zeros_like(p)
                 self._all_reduce_grads()
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)))
                 # Set before the step: if a later all-reduce of this RL step fails (a peer died), these weights
@@ -379,6 +392,7 @@ class TrainerWorker:
                   "behaviour_weight": stats["behaviour_weight"] / n, "tokens": stats["tokens"] // epochs,
                   "grad_norm": grad_norms[-1], "grad_norms": grad_norms, "updates": updates, "seconds": seconds,
                   "tokens_per_s": stats["tokens"] / seconds if seconds > 0 else 0.0, "samples": len(samples),
+                  "samples_run": sum(len(mb) for mb in mini_batches),
                   "weight_version": self.weight_version, "worker": self.name, "rank": self.rank}
         if self.metrics is not None:
             self.metrics.trainer_step.set(self.step)
