@@ -176,10 +176,12 @@ class RolloutEngine:
         controller: Controller | None = None,
         seed: int | None = None,
         dtype: str | torch.dtype | None = None,
+        share_prefill: bool = True,
     ) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be an integer >= 1, got {max_batch_size!r}")
         self.model = model  # not switched to eval(): the engine never runs its modules, a trainer may own it
+        self.share_prefill = share_prefill  # one prefill per distinct prompt of an admission (see `_prefill`)
         self.speculative = speculative or SpeculativeConfig()
         cfg = model.config
         # Default context: the model's, capped at 4096 — the static cache is preallocated for every slot.
@@ -362,15 +364,25 @@ class RolloutEngine:
     def _prefill(self, active: list[_Seq], joiners: list[_Seq]) -> None:
         t0 = time.perf_counter()
         slot0 = len(active)
-        lens = [len(s.tokens) for s in joiners]
+        want_hidden = [p for p in self.proposers.values() if p.needs_hidden]
+        # GRPO asks for every prompt groupSize times: each distinct prompt is prefilled once and its K/V copied
+        # into the slots of its repeats (vLLM's prefix caching, for exact repeats within one admission). Drafters
+        # that observe the target's hidden states at the prompt get a prefill per row, as before.
+        serving = self._prefill_rows(joiners) if self.share_prefill and not want_hidden else None
+        if serving is not None:
+            joiners[:] = [joiners[j] for j in serving[0]]
+            rows = serving[1]
+            prefilled = joiners[: max(rows) + 1]
+        else:
+            prefilled = joiners
+        lens = [len(s.tokens) for s in prefilled]
         width = max(lens)
-        inp = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in joiners], dtype=torch.int64,
+        inp = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in prefilled], dtype=torch.int64,
                            device=self.device)
         last = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=self.device)
         for j in range(len(joiners)):
             for p in self.proposers.values():
                 p.reset_slot(slot0 + j)
-        want_hidden = [p for p in self.proposers.values() if p.needs_hidden]
         if want_hidden:
             # Feature-level drafters need the target's hidden state at every prompt position.
             logits, hidden = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last,
@@ -378,7 +390,11 @@ class RolloutEngine:
             for p in want_hidden:
                 p.observe_target(hidden, [0] * len(joiners), lens, slot0=slot0)
         else:
-            logits, _ = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last, lens=lens)
+            logits, _ = self.runner.forward(self.cache, slot0, [0] * len(prefilled), inp, last_index=last, lens=lens)
+        if serving is not None:
+            repeats = range(len(prefilled), len(joiners))
+            self.cache.copy_slots([slot0 + rows[j] for j in repeats], [slot0 + j for j in repeats], width)
+            logits = logits[torch.tensor(rows, device=logits.device)]
         st = BatchSamplingTensors.build([s.params for s in joiners], self.device)
         self._any_raw = None  # computed for the joiners here, then again for the whole batch
         toks, lps = self._sample_one(logits, st, joiners)
@@ -390,6 +406,19 @@ class RolloutEngine:
         for s, t, l in zip(joiners, toks, lps):
             self._append(s, [t], [l])
         self.stats.prefill_seconds += time.perf_counter() - t0
+
+    @staticmethod
+    def _prefill_rows(joiners: list[_Seq]) -> tuple[list[int], list[int]] | None:
+        """None when every prompt is distinct; else (an order of the joiners with the first of every distinct
+        prompt in front, the prefill row that serves each joiner in that order)."""
+        first: dict[tuple[int, ...], int] = {}
+        source = [first.setdefault(tuple(s.tokens), j) for j, s in enumerate(joiners)]
+        if len(first) == len(joiners):
+            return None
+        unique = list(first.values())
+        rank = {j: r for r, j in enumerate(unique)}
+        order = unique + [j for j, src in enumerate(source) if src != j]
+        return order, [rank[source[j]] for j in order]
 
     def _append(self, s: _Seq, toks: list[int], lps: list[float]) -> int:
         """Append emitted tokens, truncating at a stop token, max_new_tokens or max_model_len."""

@@ -75,5 +75,17 @@ class StaticKVCache:
             self.k[layer][dst, :, :length].copy_(self.k[layer][src, :, :length])
             self.v[layer][dst, :, :length].copy_(self.v[layer][src, :, :length])
 
+    def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first `length` positions of slot src[i] into slot dst[i] for every i, one indexed copy per
+        layer (a prompt prefilled once serves the slots of its repeats)."""
+        if not dst or length <= 0:
+            return
+        device = self.k[0].device
+        s = torch.tensor(src, dtype=torch.int64, device=device)
+        d = torch.tensor(dst, dtype=torch.int64, device=device)
+        for layer in range(self.num_layers):
+            self.k[layer][d, :, :length] = self.k[layer][s, :, :length]
+            self.v[layer][d, :, :length] = self.v[layer][s, :, :length]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
