@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,17 +73,21 @@ def low_percentile(xs: Iterable[float], q: float = 0.2) -> float:
 
 def _interp(points: Mapping[int, float], x: float) -> float:
     """Piecewise-linear in log(batch size), clamped at the ends: step costs grow smoothly with b."""
-    keys = sorted(points)
+    return _interp_with(sorted(points), points.__getitem__, x)
+
+
+def _interp_with(keys: Sequence[int], value: Callable[[int], float], x: float) -> float:
+    """`_interp` over sorted `keys`, evaluating `value` only at the (at most two) keys that bracket x."""
     if not keys:
         raise ValueError("no calibration points")
     if x <= keys[0]:
-        return points[keys[0]]
+        return value(keys[0])
     if x >= keys[-1]:
-        return points[keys[-1]]
+        return value(keys[-1])
     i = bisect.bisect_right(keys, x)
     a, b = keys[i - 1], keys[i]
     w = (math.log(x) - math.log(a)) / (math.log(b) - math.log(a))
-    return points[a] * (1 - w) + points[b] * w
+    return value(a) * (1 - w) + value(b) * w
 
 
 def _linear_in_tokens(by_k: Mapping[int, float], tokens: int) -> float:
@@ -133,12 +137,15 @@ class CostModel:
 
     def v(self, batch: int, gamma: int) -> float:
         """verify(γ+1 tokens) / plain step at this batch size (linear in tokens between measured k)."""
-        per_b = {}
-        for b, by_k in self.verify_step.items():
+        if not self.verify_step:
+            return float(gamma + 1)
+
+        def at(b: int) -> float:
             t = self.target_step.get(b) or self.t_ar(b)
-            per_b[b] = _linear_in_tokens({**by_k, 1: t}, gamma + 1) / t
+            return _linear_in_tokens({**self.verify_step[b], 1: t}, gamma + 1) / t
+
         # verifying γ+1 tokens is never cheaper than the one-token plain step it replaces
-        return max(_interp(per_b, batch), 1.0) if per_b else float(gamma + 1)
+        return max(_interp_with(sorted(self.verify_step), at, batch), 1.0)
 
     def r(self, method: str, batch: int) -> float:
         if method not in self.draft_step:
