@@ -21,7 +21,8 @@ def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
 
 @pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
 @pytest.mark.parametrize("max_batch", [4, 16])  # admissions in waves, and all at once
-def test_shared_prefill_gives_the_outputs_of_a_prefill_per_request(method: str, max_batch: int) -> None:
+def test_shared_prefill_gives_the_outputs_of_a_prefill_per_request(method: str, max_batch: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = make_model(seed=0), make_model(layers=1, seed=1)
     prompts, params = _requests()
     outs = {}
@@ -38,7 +39,7 @@ def test_shared_prefill_gives_the_outputs_of_a_prefill_per_request(method: str, 
                 _rows.append(tokens.shape[0])
             return _forward(cache, slot0, starts, tokens, *args, **kwargs)
 
-        engine.runner.forward = counting
+        monkeypatch.setattr(engine.runner, "forward", counting)
         outs[share] = engine.generate(prompts, params)
         prefilled[share] = sum(rows)
     assert prefilled[False] == len(prompts)
@@ -56,6 +57,8 @@ def test_prefill_rows_put_one_of_each_prompt_first() -> None:
     seqs = [_Seq(i, list(p), len(p), SamplingParams(), torch.Generator()) for i, p in
             enumerate([[1, 2], [3], [1, 2], [3], [4]])]
     assert RolloutEngine._prefill_rows(seqs[-1:] + seqs[1:2]) is None  # all distinct
-    order, rows = RolloutEngine._prefill_rows(seqs)
+    served = RolloutEngine._prefill_rows(seqs)
+    assert served is not None
+    order, rows = served
     assert order == [0, 1, 4, 2, 3] and rows == [0, 1, 2, 0, 1]
     assert all(seqs[order[k]].tokens == seqs[order[rows[k]]].tokens for k in range(len(order)))
