@@ -9,8 +9,8 @@ Failures are told apart by what Ray reports:
 - task error (the worker is alive, its `generate` raised: a bug, one bad prompt): the worker stays; every
   prompt of the chunk counts one failure and is retried alone, at most `promptRetries` times, then dropped
   with a counted reason, and the step trains without it;
-- a chunk without progress (no new decode step) for `rolloutChunkTimeoutSeconds`: the worker is hung; it is killed and retired, its
-  chunk requeued, the timeout counted.
+- a chunk without progress (no new decode step) for `rolloutChunkTimeoutSeconds`: the worker is hung; it is
+  killed and retired, its chunk requeued, the timeout counted.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..scheduling import PromptItem, WorkerState, chunk_size, may_rollout
-
-LIVE_COUNT_TIMEOUT_S = 0.5
 from .placement import Placement, kill_actors
 from .records import acceptance_length
 from .shared import Shared
+
+LIVE_COUNT_TIMEOUT_S = 0.5  # how long a busy worker may take to say how far its chunk got
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class RolloutPool:
             front = ledger.queue[0].step
             if not may_rollout(front, self.version, s.staleness):
                 return
-            n = chunk_size(ledger.queued_for(front), len(idle), s.chunk_prompts or s.prompts_per_step)
+            n = chunk_size(ledger.queued_for(front), len(idle), s.rollout_chunk)
             assignments = []
             for name in idle:
                 items = ledger.take(name, n, step=front)

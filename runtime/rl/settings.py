@@ -61,9 +61,7 @@ class RunSettings:
     eval_every: int = 0  # held-out greedy eval after every N steps (0 = only before/after, in `specrl run`)
     eval_size: int = 256  # held-out greedy eval before/after: large enough that a few-point rise is not noise
     micro_batch: int = 16
-    # Prompts per rollout assignment; 0: the step's prompts spread over the idle workers, one generate() each, so
-    # continuous batching sees the whole batch (small chunks decode every chunk's own tail at small batch).
-    chunk_prompts: int = 0
+    chunk_prompts: int = 0  # prompts per rollout assignment; 0: see `rollout_chunk`
     torch_threads: int = 1
     trainer_threads: int = 0  # the trainers' intra-op threads (0: torch_threads)
     reward_timeout_s: float = 30.0
@@ -72,6 +70,17 @@ class RunSettings:
     collective_timeout_s: float = 300.0  # the trainers' data-parallel group (spec.faultTolerance)
     prompt_retries: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rollout_chunk(self) -> int:
+        """Most prompts one rollout assignment holds. By default the native engine takes the step's prompts spread
+        over the idle workers, one generate() each, so continuous batching sees the whole batch and its long tail
+        once (chunks of 2 prompts decoded every chunk's own tail at small batch), and it reports its progress while
+        it decodes (`RolloutWorker.decoding`). vLLM reports none during a generate, so its chunks stay at 2 prompts:
+        the hang clock and the long-tail signal come from chunk completions there."""
+        if self.chunk_prompts:
+            return self.chunk_prompts
+        return 2 if self.rollout_engine == "vllm" else self.prompts_per_step
 
     def replace(self, **changes: Any) -> RunSettings:
         return replace(self, **changes)

@@ -253,3 +253,12 @@ def test_local_workers_share_the_cores_only_when_their_phases_overlap():
     assert local_threads(sync.replace(mode="async"), 2) == 1  # rollouts and training at once
     assert local_threads(sync.replace(drafter_training=True), 2) == 1  # the drafter trains during the rollouts
     assert local_threads(sync.replace(trainers=4, mode="async"), 2) == 1  # never below one thread
+
+
+def test_a_native_rollout_worker_takes_its_whole_share_of_a_step_and_vllm_small_chunks():
+    from specrl.runtime.rl.settings import RunSettings
+
+    s = RunSettings(prompts_per_step=48)
+    assert s.rollout_chunk == 48 and chunk_size(48, 2, s.rollout_chunk) == 24  # spread over the idle workers
+    assert s.replace(rollout_engine="vllm").rollout_chunk == 2  # vLLM reports no progress mid-generate
+    assert s.replace(chunk_prompts=5).rollout_chunk == 5
