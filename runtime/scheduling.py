@@ -216,12 +216,15 @@ def step_prompt_indices(step: int, prompts_per_step: int, dataset_size: int, see
     if dataset_size <= 0:
         raise ValueError("dataset is empty")
     out: list[int] = []
+    perms: dict[int, list[int]] = {}  # one shuffle per epoch the step touches (at most two), not one per prompt
     start = step * prompts_per_step
     for pos in range(start, start + prompts_per_step):
         epoch, offset = divmod(pos, dataset_size)
-        perm = list(range(dataset_size))
-        random.Random(f"specrl-epoch:{seed}:{epoch}").shuffle(perm)
-        out.append(perm[offset])
+        if epoch not in perms:
+            perm = list(range(dataset_size))
+            random.Random(f"specrl-epoch:{seed}:{epoch}").shuffle(perm)
+            perms[epoch] = perm
+        out.append(perms[epoch][offset])
     return out
 
 
