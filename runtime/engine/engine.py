@@ -9,6 +9,12 @@ last token is "pending" (fed by the next step). An AR step feeds the pending tok
 speculative step feeds the pending token plus gamma drafts in ONE target forward, verifies them with
 `rejection_sample` and rolls the cache back to the accepted length (a length update, nothing is copied).
 
+Shared prefill (`share_prefill`, default on): GRPO samples each prompt `groupSize` times; a prompt already in
+the cache (a sibling still decoding, or earlier in the same admission wave) is copied into the new slot instead of
+prefilled again, drafters' caches included, and its first token is sampled from the kept last hidden state with the
+request's own params and generator. Outputs are bit-identical to sharing off (tests/unit/engine/
+test_shared_prefill.py).
+
 Randomness: each request owns a CPU `torch.Generator` (seeded from `SamplingParams.seed`, else from the
 engine's seed) and draws a fixed number of float64 uniforms per step (AR: 1; speculative with gamma: 2*gamma+1)
 whatever is accepted, so an AR request's tokens do not depend on what else is in the batch. Greedy requests
@@ -113,6 +119,7 @@ class EngineStats:
     accepted_tokens: int = 0
     target_forwards: int = 0  # prefill + AR + verify forwards of the target
     prefill_forwards: int = 0
+    prefill_rows: int = 0  # prompts the target prefilled (fewer than requests when identical prompts share one)
     generated_tokens: int = 0
     sd_steps: int = 0
     ar_steps: int = 0
@@ -181,7 +188,6 @@ class RolloutEngine:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: must be an integer >= 1, got {max_batch_size!r}")
         self.model = model  # not switched to eval(): the engine never runs its modules, a trainer may own it
-        self.share_prefill = share_prefill  # one prefill per distinct prompt of an admission (see `_prefill`)
         self.speculative = speculative or SpeculativeConfig()
         cfg = model.config
         # Default context: the model's, capped at 4096 — the static cache is preallocated for every slot.
@@ -190,6 +196,8 @@ class RolloutEngine:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         self.max_batch_size = max_batch_size
+        # Prefill identical prompts admitted together once (see `_prefill`); off only to compare against.
+        self.share_prefill = share_prefill
         self.max_gamma = self.speculative.gamma_cap
         # Speculative steps write up to gamma positions past a sequence's end before rollback (real positions end
         # at max_model_len - 1 + gamma); the one after is scratch for right-padded ragged forwards (see `plan`).
@@ -301,6 +309,8 @@ class RolloutEngine:
         results: list[RequestOutput | None] = [None] * len(prompts)
         self._sampling: BatchSamplingTensors | None = None
         self._any_raw: bool | None = None
+        # Last-position hidden state of every prompt prefilled in this call (shared prefill, see `_prefill`).
+        self._prompt_hidden: dict[tuple[int, ...], torch.Tensor] = {}
         while queue or active:
             if queue and len(active) < self.max_batch_size:
                 joiners: list[_Seq] = []
@@ -319,6 +329,7 @@ class RolloutEngine:
                 self.stats.steps.append(record)
                 self.controller.observe(decision, record)
             self._retire(active, results)
+        self._prompt_hidden = {}
         controller_stats = getattr(self.controller, "stats", None)
         if callable(controller_stats):
             self.stats.controller = dict(controller_stats())
@@ -362,63 +373,76 @@ class RolloutEngine:
         return lp
 
     def _prefill(self, active: list[_Seq], joiners: list[_Seq]) -> None:
+        """Admit `joiners` into slots len(active)..: prefill their prompts, then each samples its first token with
+        its own params and generator.
+
+        Shared prefill (GRPO samples each prompt `groupSize` times): a joiner whose prompt is already in the cache
+        (a sibling still decoding: its prompt positions never change) or earlier in this wave is not prefilled
+        again. Its slot receives the prompt's K/V (and each proposer its per-slot state) by one copy per layer,
+        and its first token is sampled from the prompt's kept last hidden state. Every rounding is kept: the rows
+        still prefilled are padded as the whole wave would be, and one head call covers every joiner."""
         t0 = time.perf_counter()
         slot0 = len(active)
-        want_hidden = [p for p in self.proposers.values() if p.needs_hidden]
-        # GRPO asks for every prompt groupSize times: each distinct prompt is prefilled once and its K/V copied
-        # into the slots of its repeats (vLLM's prefix caching, for exact repeats within one admission). Drafters
-        # that observe the target's hidden states at the prompt get a prefill per row, as before.
-        serving = self._prefill_rows(joiners) if self.share_prefill and not want_hidden else None
-        if serving is not None:
-            joiners[:] = [joiners[j] for j in serving[0]]
-            rows = serving[1]
-            prefilled = joiners[: max(rows) + 1]
-        else:
-            prefilled = joiners
-        lens = [len(s.tokens) for s in prefilled]
-        width = max(lens)
-        inp = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in prefilled], dtype=torch.int64,
-                           device=self.device)
-        last = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=self.device)
+        width = max(len(s.tokens) for s in joiners)
+        src: list[int] = []  # slot to copy the prompt from, per joiner (its own slot when prefilled there)
+        fresh: list[_Seq] = []  # joiners to prefill, into slots slot0, slot0+1, ...
+        own: dict[int, int] = {}  # joiner -> its row in `fresh`
+        # A one-token, one-row forward runs GEMV kernels, which round unlike the GEMM of a larger one: such a wave
+        # neither shares nor is shared (and a shared wave never shrinks to one, see `rows` below).
+        share = self.share_prefill and len(joiners) * width > 1
+        rows_of: dict[tuple[int, ...], int] = {}  # prompt -> its slot, prefilled in this wave or still decoding
+        if share and any(tuple(s.tokens) in self._prompt_hidden for s in joiners):
+            held = (tuple(a.tokens[: a.prompt_len]) for a in active)
+            rows_of = {k: i for i, k in enumerate(held) if k in self._prompt_hidden}
+        for j, s in enumerate(joiners):
+            key = tuple(s.tokens)
+            if share and key in rows_of:
+                src.append(rows_of[key])
+                continue
+            own[j] = len(fresh)
+            src.append(slot0 + len(fresh))
+            if share:
+                rows_of[key] = slot0 + len(fresh)
+            fresh.append(s)
         for j in range(len(joiners)):
             for p in self.proposers.values():
                 p.reset_slot(slot0 + j)
-        if want_hidden:
-            # Feature-level drafters need the target's hidden state at every prompt position.
-            logits, hidden = self.runner.forward(self.cache, slot0, [0] * len(joiners), inp, last_index=last,
-                                                 all_hidden=True, lens=lens)  # logits at the last position only
+        if fresh:
+            rows = fresh
+            if len(rows) * width == 1 < len(joiners):
+                rows = rows * 2  # a second (overwritten) row keeps the wave's GEMM rounding
+            lens = [len(s.tokens) for s in rows]
+            inp = torch.tensor([s.tokens + [0] * (width - len(s.tokens)) for s in rows], dtype=torch.int64,
+                               device=self.device)
+            want_hidden = [p for p in self.proposers.values() if p.needs_hidden]
+            last, hidden = self.runner.prefill(self.cache, slot0, inp, lens, all_hidden=bool(want_hidden))
             for p in want_hidden:
-                p.observe_target(hidden, [0] * len(joiners), lens, slot0=slot0)
-        else:
-            logits, _ = self.runner.forward(self.cache, slot0, [0] * len(prefilled), inp, last_index=last, lens=lens)
-        if serving is not None:
-            repeats = range(len(prefilled), len(joiners))
-            self.cache.copy_slots([slot0 + rows[j] for j in repeats], [slot0 + j for j in repeats], width)
-            logits = logits[torch.tensor(rows, device=logits.device)]
+                assert hidden is not None
+                p.observe_target(hidden, [0] * len(rows), lens, slot0=slot0)
+            for p in self.proposers.values():
+                p.prefill(slot0, inp, lens)
+            if share:
+                for s, h in zip(fresh, last):
+                    self._prompt_hidden[tuple(s.tokens)] = h
+            self.stats.target_forwards += 1
+            self.stats.prefill_forwards += 1
+            self.stats.prefill_rows += len(fresh)
+        moves = [(a, slot0 + j, s.prompt_len) for j, (a, s) in enumerate(zip(src, joiners)) if a != slot0 + j]
+        if moves:
+            self.cache.copy_slots([m[0] for m in moves], [m[1] for m in moves], max(m[2] for m in moves))
+            for p in self.proposers.values():
+                p.copy_prefix([m[0] for m in moves], [m[1] for m in moves], [m[2] for m in moves])
+        kept = [last[own[j]] if j in own else self._prompt_hidden[tuple(s.tokens)] for j, s in enumerate(joiners)]
+        logits, _ = self.runner.head(torch.stack(kept))  # one call for the wave: rounds as without sharing
         st = BatchSamplingTensors.build([s.params for s in joiners], self.device)
         self._any_raw = None  # computed for the joiners here, then again for the whole batch
         toks, lps = self._sample_one(logits, st, joiners)
         self._any_raw = None
         active.extend(joiners)
         self._sampling = None
-        self.stats.target_forwards += 1
-        self.stats.prefill_forwards += 1
         for s, t, l in zip(joiners, toks, lps):
             self._append(s, [t], [l])
         self.stats.prefill_seconds += time.perf_counter() - t0
-
-    @staticmethod
-    def _prefill_rows(joiners: list[_Seq]) -> tuple[list[int], list[int]] | None:
-        """None when every prompt is distinct; else (an order of the joiners with the first of every distinct
-        prompt in front, the prefill row that serves each joiner in that order)."""
-        first: dict[tuple[int, ...], int] = {}
-        source = [first.setdefault(tuple(s.tokens), j) for j, s in enumerate(joiners)]
-        if len(first) == len(joiners):
-            return None
-        unique = list(first.values())
-        rank = {j: r for r, j in enumerate(unique)}
-        order = unique + [j for j, src in enumerate(source) if src != j]
-        return order, [rank[source[j]] for j in order]
 
     def _append(self, s: _Seq, toks: list[int], lps: list[float]) -> int:
         """Append emitted tokens, truncating at a stop token, max_new_tokens or max_model_len."""

@@ -76,16 +76,17 @@ class StaticKVCache:
             self.v[layer][dst, :, :length].copy_(self.v[layer][src, :, :length])
 
     def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
-        """Copy the first `length` positions of slot src[i] into slot dst[i] for every i, one indexed copy per
-        layer (a prompt prefilled once serves the slots of its repeats)."""
+        """Copy the first `length` positions of slot src[i] into slot dst[i] for every i, one gather and one
+        scatter per layer (a shared prefill fanned out to its siblings). The sources are gathered before any
+        write, so a slot may be both a source and a destination."""
         if not dst or length <= 0:
             return
-        device = self.k[0].device
-        s = torch.tensor(src, dtype=torch.int64, device=device)
-        d = torch.tensor(dst, dtype=torch.int64, device=device)
-        for layer in range(self.num_layers):
-            self.k[layer][d, :, :length] = self.k[layer][s, :, :length]
-            self.v[layer][d, :, :length] = self.v[layer][s, :, :length]
+        dev = self.k[0].device
+        si = torch.tensor(src, dtype=torch.int64, device=dev)
+        di = torch.tensor(dst, dtype=torch.int64, device=dev)
+        for cache in (*self.k, *self.v):
+            head = cache.narrow(2, 0, length)
+            head.index_copy_(0, di, head.index_select(0, si))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -496,6 +496,19 @@ class TransformerRunner:
             return head.kernels.linear_bf16(hn, head.weight, head.bias).float(), hn
         return head(hn).float(), hn
 
+    def prefill(self, cache: StaticKVCache, slot0: int, tokens: torch.Tensor, lens: list[int],
+                all_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompts tokens [B, T] (row b right-padded after lens[b] tokens) into slots slot0.. from position 0.
+
+        Returns the pre-norm hidden state at each row's last real position [B, H] (`head` of it gives the logits;
+        the engine keeps it to sample a later sibling's first token) and, with `all_hidden`, the normed hidden
+        [B, T, H] at every position (a feature-level drafter's prefill)."""
+        b, t = tokens.shape
+        plan = self.plan(slot0, [0] * b, t, lens, cache.max_len)
+        h = self.layers_forward(F.embedding(tokens, self.embed), cache, plan)
+        last = h[torch.arange(b, device=h.device), torch.tensor([n - 1 for n in lens], device=h.device)]
+        return last, F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps) if all_hidden else None
+
     def forward(self, cache: StaticKVCache, slot0: int, starts: list[int], tokens: torch.Tensor,
                 num_layers: int | None = None, last_index: torch.Tensor | None = None, all_hidden: bool = False,
                 lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

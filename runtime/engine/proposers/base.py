@@ -77,6 +77,16 @@ class Proposer:
     def move_slot(self, src: int, dst: int) -> None:
         """The sequence in `src` moved to `dst` (compaction)."""
 
+    def prefill(self, slot0: int, prompts: torch.Tensor, lens: list[int]) -> None:
+        """Right after the target's prefill: `prompts` [B, T] (row b right-padded after lens[b] tokens) were just
+        admitted into slots slot0..slot0+B-1; a drafter with its own cache can prefill them here."""
+
+    def copy_prefix(self, src: list[int], dst: list[int], lens: list[int]) -> None:
+        """Slot dst[i] now holds a sequence whose first lens[i] tokens (its prompt) are those of slot src[i]
+        (shared prefill; src[i] may already have generated more): copy the per-slot state of those positions, as
+        prefilling dst[i] would have built it. Read every source before writing (a slot can be both). State
+        rebuilt from the tokens (the n-gram index) needs nothing."""
+
     def truncate(self, target_lens: list[int]) -> None:
         """After a step: row b's tokens are final up to target_lens[b] positions (the rest may be rolled back)."""
 

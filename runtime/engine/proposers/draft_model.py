@@ -49,6 +49,21 @@ class DraftModelProposer(Proposer):
         self.cache.move_slot(src, dst, self.lens[src])
         self.lens[dst] = self.lens[src]
 
+    def prefill(self, slot0: int, prompts: torch.Tensor, lens: list[int]) -> None:
+        # Eagerly, with the target's: a prefill shared by identical prompts is then shared by the drafter too (the
+        # lazy catch-up in `propose` would prefill every sibling again).
+        assert self.runner is not None, "attach() first"
+        last = torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=self.runner.device)
+        self.runner.forward(self.cache, slot0, [0] * len(lens), prompts, last_index=last, lens=lens)
+        for b, n in enumerate(lens):
+            self.lens[slot0 + b] = n
+
+    def copy_prefix(self, src: list[int], dst: list[int], lens: list[int]) -> None:
+        # A source holds at least its prompt (prefilled on admission; `truncate` never cuts below it).
+        self.cache.copy_slots(src, dst, max(lens, default=0))
+        for d, n in zip(dst, lens):
+            self.lens[d] = n
+
     def truncate(self, target_lens: list[int]) -> None:
         for b, n in enumerate(target_lens):
             self.lens[b] = min(self.lens[b], n)

@@ -232,6 +232,15 @@ class EagleProposer(Proposer):
         self.head_lens[dst] = self.head_lens[src]
         self.feat_lens[dst] = n
 
+    def copy_prefix(self, src: list[int], dst: list[int], lens: list[int]) -> None:
+        # The prompt's target features; the head's cache (whose last prompt position depends on the first
+        # generated token) stays empty after reset_slot and catches up per slot in `propose`, as without sharing.
+        dev = self.features.device
+        head = self.features.narrow(1, 0, max(lens, default=0))
+        head.index_copy_(0, torch.tensor(dst, device=dev), head.index_select(0, torch.tensor(src, device=dev)))
+        for d, n in zip(dst, lens):
+            self.feat_lens[d] = n
+
     def truncate(self, target_lens: list[int]) -> None:
         for b, n in enumerate(target_lens):
             self.head_lens[b] = min(self.head_lens[b], n)

@@ -1,64 +1,69 @@
-"""Each distinct prompt of an admission is prefilled once and its K/V copied into its repeats' slots (GRPO asks for
-every prompt groupSize times): the outputs are those of a prefill per request."""
+"""Shared prefill: identical prompts admitted together are prefilled once, and nothing a request sees changes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
+from specrl.runtime.engine.kv_cache import StaticKVCache
+from specrl.runtime.engine.proposers.eagle import EagleHead
 
-from .conftest import VOCAB, make_model
-
-
-def _requests() -> tuple[list[list[int]], list[SamplingParams]]:
-    groups = [[1, 5, 3], [2, 7, 7, 4, 9, 1], [3], [1, 5, 3, 8]]  # a prefix of another prompt is not a repeat
-    prompts = [list(p) for p in groups for _ in range(3)] + [[6, 6, 2]]
-    assert max(max(p) for p in prompts) < VOCAB
-    params = [SamplingParams(temperature=0.0 if i % 5 == 0 else 1.0, max_new_tokens=6 + i % 7, seed=100 + i,
-                             stop_token_ids=(0,)) for i in range(len(prompts))]
-    return prompts, params
+# Groups of identical prompts (GRPO), a lone prompt, a prompt that is a prefix of another (not a repeat), and 15
+# requests for 4 slots: several admission waves, groups split across them.
+BASE = [[1, 2, 3, 4, 5], [7, 7, 2], [3, 1, 4, 1, 5, 9, 2, 6], [5], [1, 2, 3]]
+PROMPTS = [BASE[0]] * 4 + [BASE[1]] * 3 + [BASE[2]] + [BASE[3]] * 2 + [BASE[1]] * 3 + [BASE[4]] * 2
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
-@pytest.mark.parametrize("max_batch", [4, 16])  # admissions in waves, and all at once
-def test_shared_prefill_gives_the_outputs_of_a_prefill_per_request(method: str, max_batch: int,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    target, draft = make_model(seed=0), make_model(layers=1, seed=1)
-    prompts, params = _requests()
-    outs = {}
-    prefilled = {}
-    for share in (False, True):
-        engine = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3),
-                               draft_model=draft if method == "draft_model" else None, max_batch_size=max_batch,
-                               share_prefill=share)
-        rows: list[int] = []
-        forward = engine.runner.forward
-
-        def counting(cache, slot0, starts, tokens, *args, _forward=forward, _rows=rows, **kwargs):
-            if kwargs.get("last_index") is not None:  # a prefill
-                _rows.append(tokens.shape[0])
-            return _forward(cache, slot0, starts, tokens, *args, **kwargs)
-
-        monkeypatch.setattr(engine.runner, "forward", counting)
-        outs[share] = engine.generate(prompts, params)
-        prefilled[share] = sum(rows)
-    assert prefilled[False] == len(prompts)
-    # all at once: 5 distinct prompts; with 4 slots, repeats are shared only within one admission
-    assert prefilled[True] == 5 if max_batch == 16 else 5 <= prefilled[True] < len(prompts)
-    for a, b in zip(outs[False], outs[True]):
-        assert a.request_id == b.request_id and a.prompt_token_ids == b.prompt_token_ids
-        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+def _params(temperature: float) -> list[SamplingParams]:
+    return [SamplingParams(temperature=temperature, top_k=8 if i % 3 == 0 else 0, max_new_tokens=6 + i % 5,
+                           seed=100 + i, logprobs_mode="raw" if i % 4 == 1 else "processed")
+            for i in range(len(PROMPTS))]
 
 
-def test_prefill_rows_put_one_of_each_prompt_first() -> None:
-    from specrl.runtime.engine.engine import _Seq
+@pytest.fixture(scope="module")
+def eagle_head(target) -> EagleHead:
+    torch.manual_seed(3)
+    return EagleHead.from_target(target)  # one head for both engines (a default head is freshly random per engine)
 
-    seqs = [_Seq(i, list(p), len(p), SamplingParams(), torch.Generator()) for i, p in
-            enumerate([[1, 2], [3], [1, 2], [3], [4]])]
-    assert RolloutEngine._prefill_rows(seqs[-1:] + seqs[1:2]) is None  # all distinct
-    served = RolloutEngine._prefill_rows(seqs)
-    assert served is not None
-    order, rows = served
-    assert order == [0, 1, 4, 2, 3] and rows == [0, 1, 2, 0, 1]
-    assert all(seqs[order[k]].tokens == seqs[order[rows[k]]].tokens for k in range(len(order)))
+
+def _run(target, draft, head, method: str, temperature: float, share: bool, slots: int = 4
+         ) -> tuple[list, RolloutEngine]:
+    engine = RolloutEngine(target, SpeculativeConfig(method=method, num_speculative_tokens=3), draft_model=draft,
+                           eagle_head=head, max_batch_size=slots, share_prefill=share, dtype=torch.float32)
+    outs = engine.generate(PROMPTS, _params(temperature))
+    return [(o.token_ids, o.logprobs, o.finish_reason) for o in outs], engine
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "quantized_self", "layer_skip", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sharing_changes_no_token_and_no_logprob(method: str, temperature: float, target, draft,
+                                                    eagle_head) -> None:
+    plain, off = _run(target, draft, eagle_head, method, temperature, share=False)
+    shared, on = _run(target, draft, eagle_head, method, temperature, share=True)
+    assert shared == plain  # token ids, logprobs (bit for bit) and finish reasons
+    assert off.stats.prefill_rows == len(PROMPTS)
+    assert on.stats.prefill_rows < off.stats.prefill_rows
+    assert on.stats.prefill_forwards < off.stats.prefill_forwards  # some joiners copied a live sibling's prompt
+    if method != "none":
+        assert on.stats.sd_steps > 0
+
+
+def test_one_admission_prefills_each_distinct_prompt_once(target, draft, eagle_head) -> None:
+    plain, _ = _run(target, draft, eagle_head, "draft_model", 1.0, share=False, slots=16)
+    shared, on = _run(target, draft, eagle_head, "draft_model", 1.0, share=True, slots=16)
+    assert shared == plain
+    assert (on.stats.prefill_forwards, on.stats.prefill_rows) == (1, len(BASE))
+
+
+def test_copy_slots_reads_every_source_before_writing() -> None:
+    cache = StaticKVCache(num_layers=2, slots=4, kv_heads=1, max_len=6, head_dim=2, dtype=torch.float32,
+                          device=torch.device("cpu"))
+    for layer in range(2):
+        for s in range(4):
+            cache.k[layer][s].fill_(s)
+            cache.v[layer][s].fill_(10 + s)
+    cache.copy_slots([0, 1, 1], [1, 2, 3], length=4)  # slot 1 is a source and a destination
+    for layer in range(2):
+        assert [cache.k[layer][s, 0, 0, 0].item() for s in range(4)] == [0, 0, 1, 1]
+        assert [cache.v[layer][s, 0, 3, 1].item() for s in range(4)] == [10, 10, 11, 11]
+        assert cache.k[layer][3, 0, 4:].eq(3).all()  # positions past `length` untouched
