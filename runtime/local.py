@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 # samples per held-out problem in the before/after evaluation at the job's temperature (x spec eval_size problems)
-HELDOUT_SAMPLES = 2
+HELDOUT_SAMPLES = 4
 
 
 class JobError(Exception):
@@ -238,7 +238,7 @@ def _mean(xs: list[float]) -> float:
 
 def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger: dict, wall: float) -> dict[str, Any]:
     from .coordinator import acceptance_length
-    from .rl.significance import length_profile, paired_comparison
+    from .rl.significance import grouped_comparison, length_profile, paired_comparison
 
     acc_last = next((r["acceptance_length"] for r in reversed(records) if r["acceptance_length"] is not None), None)
     rollout_s = sum(r["rollout_seconds"] for r in records)
@@ -297,6 +297,8 @@ def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger
                             "problem, sample), before the first and after the last step; 95% Wilson intervals, "
                             "a normal interval on the paired difference and McNemar's exact test"),
         }
+        if any(h1.get("difficulty") or ()):
+            summary["heldout"]["by_difficulty"] = grouped_comparison(h0["correct"], h1["correct"], h1["difficulty"])
         summary["accuracy_start"], summary["accuracy_end"] = cmp_h["before"], cmp_h["after"]
         summary["accuracy_ci_start"], summary["accuracy_ci_end"] = cmp_h["before_ci"], cmp_h["after_ci"]
         summary["accuracy_gain"], summary["accuracy_gain_ci"] = cmp_h["difference"], cmp_h["difference_ci"]
@@ -358,6 +360,9 @@ def story_lines(summary: dict[str, Any]) -> list[str]:
     if h:
         lines.append(f"held-out accuracy ({h['n']} samples: {h['problems']} unseen problems x {h['samples_per_problem']}"
                      f" at T={h['temperature']:g}): {_paired(h)}")
+        if h.get("by_difficulty"):
+            lines.append("  by difficulty: " + ", ".join(
+                f"{k} {v['before']:.2f} -> {v['after']:.2f} (n={v['n']})" for k, v in h["by_difficulty"].items()))
     if summary.get("reward_start") is not None:
         lines.append(f"reward (rollouts, mean of first/last 5 steps): {_mean(summary['reward_per_step'][:5]):.3f} -> "
                      f"{_mean(summary['reward_per_step'][-5:]):.3f}")

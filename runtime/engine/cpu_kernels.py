@@ -1,12 +1,14 @@
-"""Batch-1 decode kernels for CPUs with AVX512-BF16, compiled once per machine with the system C++ compiler.
+"""Decode kernels for CPUs with AVX512-BF16, compiled once per machine with the system C++ compiler.
 
 Why: at batch 1 a decode step is a chain of matrix-vector products over ~270 MB of bfloat16 weights (SmolLM2)
 plus ~15 small elementwise ops per layer. Measured here (one thread, weights streamed from memory): oneDNN's
 packed bf16 matmul reads weights at 9-12 GB/s for one row where a plain `sum` streams 14-16 GB/s, and ATen's
 per-op dispatch adds ~9 ms per step (30 layers x ~12 ops). `linear_bf16` is a register-blocked dot-product
 kernel (`vdpbf16ps`, fp32 accumulation, round-to-nearest-even output like oneDNN's), 13-14 GB/s at one row;
-`decode_layers` runs a whole stack of Llama layers for one token of one sequence in one call (norms, fused qkv,
-rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16 at the same points as the ATen path.
+`decode_layers` runs a whole stack of Llama layers for a few tokens of each of a few sequences in one call (norms,
+fused qkv, rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16 at the same points as the ATen
+path. Every row is computed exactly as it would be alone, so plain decoding, the verification of drafts and any
+batch composition give bit-identical logits for a sequence.
 
 Built lazily on first use with `torch.utils.cpp_extension.load_inline` (about 30 s, cached under
 ~/.cache/specrl/kernels); where there is no compiler, no AVX512-BF16, or the build fails, `available()` is False
@@ -31,6 +33,7 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
 #include <vector>
 
 typedef uint16_t bf16;
@@ -46,15 +49,17 @@ static inline float rb(float s) { return from_bf16(to_bf16(s)); }  // round thro
 static inline const bf16* P(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()); }
 static inline bf16* PM(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
 
-// Y[m, n0..n0+rows) for rows MB.. of X: W rows are read once for MB activation rows.
-template <int MB>
+// Y[m, n0..n0+rows) for activation rows m0..m0+MB: each of the NR weight rows is read once for MB activation rows.
+// Every output is one dot product accumulated in the same k order whatever NR, MB or M, so a row's result does
+// not depend on the rows computed with it (a verification computes each token as a one-token step does).
+template <int NR, int MB>
 static void block(const bf16* W, const bf16* X, float* Y, int64_t n0, int64_t rows, int64_t K, int64_t N, int64_t m0) {
-  __m512 acc[4][MB];
-  for (int r = 0; r < 4; ++r) for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+  __m512 acc[NR][MB];
+  for (int r = 0; r < NR; ++r) for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 32) {
     __m512bh xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(X + (m0 + m) * K + k);
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < NR; ++r) {
       if (r >= rows) break;
       const bf16* wp = W + (n0 + r) * K + k;
       _mm_prefetch((const char*)(wp + 8 * K), _MM_HINT_T0);
@@ -62,8 +67,26 @@ static void block(const bf16* W, const bf16* X, float* Y, int64_t n0, int64_t ro
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
     }
   }
-  for (int r = 0; r < rows; ++r)
+  for (int r = 0; r < rows && r < NR; ++r)
     for (int m = 0; m < MB; ++m) Y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// Weight rows n0..n0+rows (rows <= 4) against all M activation rows: up to 4 activation rows with 4 weight rows a
+// block, more in blocks of 8 activation rows over 2 weight rows (the registers hold 16 accumulators either way),
+// so 5-8 rows (a batch-1 verification) stream the weights once, not twice.
+template <int NR>
+static void rows_tail(const bf16* W, const bf16* X, float* Y, int64_t n0, int64_t rows, int64_t K, int64_t N,
+                      int64_t m0, int64_t left) {
+  switch (left) {
+    case 7: block<NR, 7>(W, X, Y, n0, rows, K, N, m0); break;
+    case 6: block<NR, 6>(W, X, Y, n0, rows, K, N, m0); break;
+    case 5: block<NR, 5>(W, X, Y, n0, rows, K, N, m0); break;
+    case 4: block<NR, 4>(W, X, Y, n0, rows, K, N, m0); break;
+    case 3: block<NR, 3>(W, X, Y, n0, rows, K, N, m0); break;
+    case 2: block<NR, 2>(W, X, Y, n0, rows, K, N, m0); break;
+    case 1: block<NR, 1>(W, X, Y, n0, rows, K, N, m0); break;
+    default: break;
+  }
 }
 
 // fp32 Y[M, N] = X[M, K] W[N, K]^T (+ bias), K % 32 == 0.
@@ -71,13 +94,15 @@ static void matmul(const bf16* X, const bf16* W, const bf16* bias, float* Y, int
   at::parallel_for(0, (N + 3) / 4, 32, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
-      int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) block<4>(W, X, Y, n0, rows, K, N, m0);
-      switch (M - m0) {
-        case 3: block<3>(W, X, Y, n0, rows, K, N, m0); break;
-        case 2: block<2>(W, X, Y, n0, rows, K, N, m0); break;
-        case 1: block<1>(W, X, Y, n0, rows, K, N, m0); break;
-        default: break;
+      if (M <= 4) {
+        rows_tail<4>(W, X, Y, n0, rows, K, N, 0, M);
+        continue;
+      }
+      for (int64_t h = 0; h < rows; h += 2) {
+        const int64_t r2 = std::min<int64_t>(2, rows - h);
+        int64_t m0 = 0;
+        for (; m0 + 8 <= M; m0 += 8) block<2, 8>(W, X, Y, n0 + h, r2, K, N, m0);
+        rows_tail<2>(W, X, Y, n0 + h, r2, K, N, m0, M - m0);
       }
     }
   });
@@ -310,20 +335,23 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
                    std::vector<c10::optional<torch::Tensor>> gu_b,
                    std::vector<torch::Tensor> down_w, std::vector<c10::optional<torch::Tensor>> down_sz,
                    std::vector<c10::optional<torch::Tensor>> down_b,
-                   std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache, int64_t slot, int64_t pos,
-                   torch::Tensor cos, torch::Tensor sin, int64_t nh, int64_t nkv, int64_t inter, double eps,
-                   double scaling) {
-  // h [T, H]: T consecutive tokens of one sequence at positions pos .. pos+T-1 (a decode step, T = 1, or the
-  // verification of T-1 drafts); cos/sin [T, D]. Each matmul reads its weight once for all T rows, and every row is
-  // computed exactly as it would be alone (the kernels' accumulation order does not depend on T).
-  const int64_t T = h.size(0), H = h.size(1), L = (int64_t)qkv_w.size(), D = cos.size(1), half = D / 2;
+                   std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache, int64_t slot0,
+                   std::vector<int64_t> starts, torch::Tensor cos, torch::Tensor sin, int64_t nh, int64_t nkv,
+                   int64_t inter, double eps, double scaling) {
+  // h [B * S, H]: for each of B sequences (cache slots slot0 + b), S consecutive tokens at positions starts[b] ..
+  // starts[b] + S - 1 (a decode step, S = 1, or the verification of S - 1 drafts); cos/sin [B * S, D]. Each matmul
+  // reads its weight once for all rows (up to 8 per pass), and every row is computed exactly as it would be alone:
+  // the kernels' accumulation order depends on neither S nor B, so batched decoding is batch-invariant.
+  const int64_t B = (int64_t)starts.size(), T = h.size(0), S = T / B, H = h.size(1), L = (int64_t)qkv_w.size();
+  const int64_t D = cos.size(1), half = D / 2;
   const int64_t qs = nh * D, kvs = nkv * D, I = inter, group = nh / nkv, W3 = qs + 2 * kvs;
   const int64_t max_len = k_cache[0].size(2);
   bf16* hp = PM(h);
   const bf16* cp = P(cos);
   const bf16* sp = P(sin);
+  const int64_t longest = *std::max_element(starts.begin(), starts.end()) + S;
   std::vector<bf16> a(T * std::max(H, I)), qkv(T * W3), att(T * qs), act(T * I);
-  std::vector<float> y(T * std::max({W3, 2 * I, H})), scores(pos + T);
+  std::vector<float> y(T * std::max({W3, 2 * I, H})), scores(longest);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, P(in_norm[l]), a.data() + t * H, H, eps);
     apply({qkv_w[l], qkv_sz[l], qkv_b[l]}, a.data(), y.data(), T, H, W3);
@@ -341,19 +369,22 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
         }
         for (int64_t d = 0; d < D; ++d) x[d] = to_bf16(tmp[d]);
       }
+      const int64_t slot = slot0 + t / S, pos = starts[t / S] + t % S;
       for (int64_t g = 0; g < nkv; ++g) {
-        const int64_t off = ((slot * nkv + g) * max_len + pos + t) * D;
+        const int64_t off = ((slot * nkv + g) * max_len + pos) * D;
         std::memcpy(kc + off, qkv.data() + t * W3 + qs + g * D, D * sizeof(bf16));
         std::memcpy(vc + off, qkv.data() + t * W3 + qs + kvs + g * D, D * sizeof(bf16));
       }
     }
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = slot0 + t / S, len = starts[t / S] + t % S + 1;
       for (int64_t hd = 0; hd < nh; ++hd) {
         const int64_t g = hd / group;
         attend_row(qkv.data() + t * W3 + hd * D, kc + (slot * nkv + g) * max_len * D,
-                   vc + (slot * nkv + g) * max_len * D, pos + t + 1, D, (float)scaling, scores.data(),
+                   vc + (slot * nkv + g) * max_len * D, len, D, (float)scaling, scores.data(),
                    att.data() + t * qs + hd * D);
       }
+    }
     apply({o_w[l], o_sz[l], o_b[l]}, att.data(), y.data(), T, qs, H);
     for (int64_t i = 0; i < T * H; ++i) hp[i] = to_bf16(from_bf16(hp[i]) + rb(y[i]));
     for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, P(post_norm[l]), a.data() + t * H, H, eps);

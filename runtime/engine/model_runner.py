@@ -14,10 +14,10 @@ optimizer steps, weight sync) are picked up automatically at the next `generate`
 `quantize=4|8` builds the quantized_self drafter: every matmul (lm_head included) reads 4-bit group-wise or int8
 per-channel weights (re-quantized from the policy on refresh); `quantize_bits` picks 4 where the CPU kernel exists.
 
-On a CPU with AVX512-BF16 (and a C++ compiler), bfloat16 and 4-bit runners take `cpu_kernels` for forwards of one
-sequence and at most FEW_TOKENS tokens (batch-1 decode, its verification, batch-1 drafting): the whole layer stack
-in one C++ call, each token computed exactly as a one-token step computes it. Larger forwards keep the per-op path,
-whose few-token forwards share the same attention routine.
+On a CPU with AVX512-BF16 (and a C++ compiler), bfloat16 and 4-bit runners take `cpu_kernels` for decode-sized
+forwards (`fused_rows`: a few tokens of a few sequences — decode steps, their verification, drafting): the whole
+layer stack in one C++ call, each token computed exactly as a one-token batch-1 step computes it. Larger forwards
+keep the per-op path, whose few-token forwards share the same attention routine.
 """
 
 from __future__ import annotations
@@ -278,7 +278,14 @@ class TransformerRunner:
     """Runs (the first `num_layers` layers of) a Llama/Qwen2 causal LM over a StaticKVCache."""
 
     FEW_TOKENS = 16  # forwards of at most this many tokens per row attend with cpu_kernels where it runs
+    # The fused kernel streams every weight once per 8 rows (batch x tokens) where oneDNN's packed GEMM reads it
+    # once: it wins while weights stay in cache or rows are few. Measured here (one thread, tiny 2x128 / SmolLM2
+    # 30x576, per forward incl. head, vs the per-op path): see `fused_rows`.
+    FUSED_ROWS_STREAMED = 8    # weights larger than the cache budget below: one pass over them at most
+    FUSED_ROWS_CACHED = 64     # weights that fit: per-op dispatch costs more than re-reading them
+    FUSED_CACHED_BYTES = 32 << 20
     _fused: tuple[list, ...] | None = None  # cpu_kernels.decode_layers' weights (set by refresh where it runs)
+    _fused_rows = 0  # the most rows (batch x tokens) a forward sends to it
 
     def __init__(self, model: nn.Module, quantize: int = 0, max_positions: int | None = None,
                  dtype: str | torch.dtype | None = None) -> None:
@@ -371,6 +378,9 @@ class TransformerRunner:
         self.cos_table = (emb.cos() * scale).to(self.dtype)
         self.sin_table = (emb.sin() * scale).to(self.dtype)
         self._fused = self._fused_decode_args()
+        if self._fused is not None:
+            size = sum(t.numel() * t.element_size() for col in self._fused for t in col if t is not None)
+            self._fused_rows = self.FUSED_ROWS_CACHED if size <= self.FUSED_CACHED_BYTES else self.FUSED_ROWS_STREAMED
         self._signature = self._current_signature()
 
     def _fused_decode_args(self) -> tuple[list, ...] | None:
@@ -521,20 +531,23 @@ class TransformerRunner:
         of float32).
         """
         h = F.embedding(tokens, self.embed)
-        t = tokens.shape[1]
+        b, t = tokens.shape
         fused = False
-        if self._fused is not None and tokens.shape[0] == 1 and t <= self.FEW_TOKENS and lens is None \
-                and starts[0] + t <= min(cache.max_len, self.max_positions):
-            # A few tokens of one sequence (batch-1 decode, its verification, a drafter's step): the whole layer
-            # stack in one call, each token computed exactly as a one-token step would compute it.
+        if self._fused is not None and lens is None and t <= self.FEW_TOKENS and b * t <= self._fused_rows \
+                and max(starts) + t <= min(cache.max_len, self.max_positions):
+            # Decode-sized forwards (plain steps, verifications, a drafter's steps): the whole layer stack in one
+            # call, each token of each row computed exactly as a one-token batch-1 step would compute it.
             n = num_layers or self.num_layers
-            h = h.reshape(t, -1).clone()
-            pos = starts[0]
+            h = h.reshape(b * t, -1)
+            if b == 1:
+                cos, sin = self.cos_table[starts[0]:starts[0] + t], self.sin_table[starts[0]:starts[0] + t]
+            else:
+                pos = (torch.tensor(starts)[:, None] + torch.arange(t)).view(-1)
+                cos, sin = self.cos_table[pos], self.sin_table[pos]
             cpu_kernels.load().decode_layers(
-                h, *(col[:n] for col in self._fused), cache.k[:n], cache.v[:n], slot0, pos,
-                self.cos_table[pos:pos + t], self.sin_table[pos:pos + t], self.num_heads, self.num_kv_heads,
-                self.intermediate, self.eps, self.scaling)
-            h = h.view(1, t, -1)
+                h, *(col[:n] for col in self._fused), cache.k[:n], cache.v[:n], slot0, starts, cos, sin,
+                self.num_heads, self.num_kv_heads, self.intermediate, self.eps, self.scaling)
+            h = h.view(b, t, -1)
             fused = True
         else:
             plan = self.plan(slot0, starts, tokens.shape[1], lens, cache.max_len)

@@ -72,6 +72,20 @@ def paired_comparison(before: Sequence[bool], after: Sequence[bool], z: float = 
             "p_value": mcnemar_exact_p(gained, lost)}
 
 
+def grouped_comparison(before: Sequence[bool], after: Sequence[bool], groups: Sequence[str | None]
+                       ) -> dict[str, dict[str, float]]:
+    """Accuracy before and after per group (a problem's difficulty): where on the task a change happened."""
+    if not len(before) == len(after) == len(groups):
+        raise ValueError(f"before/after/groups: lengths differ ({len(before)}, {len(after)}, {len(groups)})")
+    out: dict[str, dict[str, float]] = {}
+    for name in dict.fromkeys(g for g in groups if g is not None):
+        idx = [i for i, g in enumerate(groups) if g == name]
+        b = sum(1 for i in idx if before[i]) / len(idx)
+        a = sum(1 for i in idx if after[i]) / len(idx)
+        out[name] = {"n": len(idx), "before": b, "after": a, "difference": a - b}
+    return out
+
+
 def length_profile(lengths: Sequence[int]) -> dict[str, float]:
     """Median, 95th percentile (nearest rank) and maximum of response lengths, and how long the tail is
     (p95 / median)."""

@@ -1,6 +1,7 @@
-"""The batch-1 CPU kernels (runtime/engine/cpu_kernels.py) against the ATen path they replace: matmuls within one
-bfloat16 rounding of a float32 reference, the fused layer stack within rounding of the per-op path (greedy tokens
-equal), the 4-bit drafter kernel close to its dequantized weights, and quantized_self at batch 1 (where the 4-bit
+"""The CPU decode kernels (runtime/engine/cpu_kernels.py) against the ATen path they replace: matmuls within one
+bfloat16 rounding of a float32 reference and batch-invariant (a row's result does not depend on the rows computed
+with it), the fused layer stack within rounding of the per-op path (greedy tokens equal) and, batched, bit-identical
+to one sequence at a time, the 4-bit drafter kernel close to its dequantized weights, and quantized_self at batch 1 (where the 4-bit
 kernel drafts) still exact under greedy decoding and lossless in law."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConf
 from specrl.runtime.engine.model_runner import Int4Dense, TransformerRunner
 from specrl.runtime.engine.proposers.draft_model import DraftModelProposer
 
-from .conftest import make_model, reference_probs
+from .conftest import VOCAB, make_model, reference_probs
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
                                    reason="no AVX512-BF16 or no C++ compiler here: the engine runs its ATen path")
@@ -36,6 +37,18 @@ def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
     ref = x.float() @ w.float().t() + b.float()
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
     assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-3)
+
+
+@needs_kernels
+def test_linear_bf16_rows_do_not_depend_on_the_batch() -> None:
+    # 1-4 rows take 4x4 blocks, more take 2x8 blocks plus a remainder: every row must round as it does alone
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 128, generator=g).to(torch.bfloat16)
+    x = torch.randn(21, 128, generator=g).to(torch.bfloat16)
+    k = cpu_kernels.load()
+    alone = torch.cat([k.linear_bf16(x[i : i + 1], w, None) for i in range(21)])
+    for rows in (2, 4, 5, 8, 9, 16, 21):
+        assert torch.equal(k.linear_bf16(x[:rows], w, None), alone[:rows]), rows
 
 
 @needs_kernels
@@ -76,6 +89,32 @@ def test_fused_decode_step_matches_the_per_op_path(kind: str) -> None:
         assert int(la.argmax()) == int(lb.argmax()) or float(top[0] - top[1]) <= 2 * err  # only near-ties differ
     # the first layer's keys (norm, qkv, rotary, cache write) round exactly as the per-op path does
     assert torch.allclose(ka, kb, rtol=2 ** -7, atol=1e-3)
+
+
+@needs_kernels
+def test_batched_fused_forward_is_each_sequence_alone() -> None:
+    """B sequences at different lengths, S tokens each (a batched decode step or verification), in one fused call:
+    logits and the K/V cache bit-identical to running each sequence by itself."""
+    model = make_model("llama", layers=2, hidden=64, seed=6)
+    runner = TransformerRunner(model, dtype=torch.bfloat16)
+    assert runner._fused is not None
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (3, 9, 5, 12)]
+    for s in (1, 4):
+        new = torch.randint(1, VOCAB, (len(prompts), s), generator=g)
+        starts = [p.shape[1] for p in prompts]
+        with torch.inference_mode():
+            together = runner.new_cache(4, 40)
+            alone = runner.new_cache(4, 40)
+            for slot, p in enumerate(prompts):
+                for cache in (together, alone):
+                    runner.forward(cache, slot, [0], p)
+            batched = runner.forward(together, 0, starts, new)[0]
+            single = torch.cat([runner.forward(alone, slot, [starts[slot]], new[slot : slot + 1])[0]
+                                for slot in range(len(prompts))])
+        assert batched.shape == (4, s, single.shape[-1])
+        assert torch.equal(batched, single)
+        assert all(torch.equal(a, b) for a, b in zip(together.k + together.v, alone.k + alone.v))
 
 
 @pytest.fixture(scope="module")
