@@ -3,9 +3,11 @@
 Why: at batch 1 a decode step is a chain of matrix-vector products over ~270 MB of bfloat16 weights (SmolLM2)
 plus ~15 small elementwise ops per layer. Measured here (one thread, weights streamed from memory): oneDNN's
 packed bf16 matmul reads weights at 9-12 GB/s for one row where a plain `sum` streams 14-16 GB/s, and ATen's
-per-op dispatch adds ~9 ms per step (30 layers x ~12 ops). `linear_bf16` is a register-blocked dot-product
-kernel (`vdpbf16ps`, fp32 accumulation, round-to-nearest-even output like oneDNN's), 13-14 GB/s at one row;
-`decode_layers` runs a whole stack of Llama layers for a few tokens of each of a few sequences in one call (norms,
+per-op dispatch adds ~9 ms per step (30 layers x ~12 ops). `linear_bf16` multiplies a few rows by a weight
+packed once into `vdpbf16ps`'s pair layout (`pack_bf16`; fp32 accumulation in vector lanes, round-to-nearest-even
+output like oneDNN's), tiles of up to 8 rows x 128 columns in registers, so up to 8 rows read the weights once:
+24 GB/s at one row on SmolLM2 where the chip's bf16 dot-product throughput (~36 GMAC/s a core on the Xeon measured
+here) bounds it from ~4 rows on; `decode_layers` runs a whole stack of Llama layers for a few tokens of each of a few sequences in one call (norms,
 fused qkv, rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16 at the same points as the ATen
 path. Every row is computed exactly as it would be alone, so plain decoding, the verification of drafts and any
 batch composition give bit-identical logits for a sequence.
@@ -49,60 +51,72 @@ static inline float rb(float s) { return from_bf16(to_bf16(s)); }  // round thro
 static inline const bf16* P(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()); }
 static inline bf16* PM(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
 
-// Y[m, n0..n0+rows) for activation rows m0..m0+MB: each of the NR weight rows is read once for MB activation rows.
-// Every output is one dot product accumulated in the same k order whatever NR, MB or M, so a row's result does
-// not depend on the rows computed with it (a verification computes each token as a one-token step does).
-template <int NR, int MB>
-static void block(const bf16* W, const bf16* X, float* Y, int64_t n0, int64_t rows, int64_t K, int64_t N, int64_t m0) {
-  __m512 acc[NR][MB];
-  for (int r = 0; r < NR; ++r) for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(X + (m0 + m) * K + k);
-    for (int r = 0; r < NR; ++r) {
-      if (r >= rows) break;
-      const bf16* wp = W + (n0 + r) * K + k;
-      _mm_prefetch((const char*)(wp + 8 * K), _MM_HINT_T0);
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(wp);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+// bf16 weights for the kernels are packed once (`pack_bf16` in Python): [ceil(N/16)][K/2][16][2], so for a block of
+// 16 output columns and an input pair (k, k+1) the 16 columns' two weights are one 64-byte vector, which
+// `vdpbf16ps` multiplies with the broadcast activation pair. Outputs then accumulate in vector lanes (no horizontal
+// sums), a tile of MB rows x NB column blocks keeps MB x NB accumulators in registers, and every output is the
+// same sequence of pairwise products whatever MB, NB or M: a row's result does not depend on the rows computed with
+// it (a verification computes each token as a one-token step does; batched decoding is batch-invariant).
+template <int MB, int NB>
+static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0, int64_t K, int64_t N) {
+  const int64_t K2 = K / 2;
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const bf16* xr[MB];
+  for (int m = 0; m < MB; ++m) xr[m] = X + (m0 + m) * K;
+  const bf16* wb[NB];
+  for (int j = 0; j < NB; ++j) wb[j] = Wp + (j0 + j) * K2 * 32;
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j) {
+      _mm_prefetch((const char*)(wb[j] + k2 * 32 + 512), _MM_HINT_T0);
+      w[j] = (__m512bh)_mm512_loadu_si512(wb[j] + k2 * 32);
+    }
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;  // (x_2k2, x_2k2+1) as one 32-bit lane
+      std::memcpy(&pair, xr[m] + 2 * k2, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
     }
   }
-  for (int r = 0; r < rows && r < NR; ++r)
-    for (int m = 0; m < MB; ++m) Y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = (j0 + j) * 16;
+      float* y = Y + (m0 + m) * N + n;
+      if (n + 16 <= N) _mm512_storeu_ps(y, acc[m][j]);
+      else _mm512_mask_storeu_ps(y, (__mmask16)((1u << (N - n)) - 1), acc[m][j]);
+    }
 }
 
-// Weight rows n0..n0+rows (rows <= 4) against all M activation rows: up to 4 activation rows with 4 weight rows a
-// block, more in blocks of 8 activation rows over 2 weight rows (the registers hold 16 accumulators either way),
-// so 5-8 rows (a batch-1 verification) stream the weights once, not twice.
-template <int NR>
-static void rows_tail(const bf16* W, const bf16* X, float* Y, int64_t n0, int64_t rows, int64_t K, int64_t N,
-                      int64_t m0, int64_t left) {
-  switch (left) {
-    case 7: block<NR, 7>(W, X, Y, n0, rows, K, N, m0); break;
-    case 6: block<NR, 6>(W, X, Y, n0, rows, K, N, m0); break;
-    case 5: block<NR, 5>(W, X, Y, n0, rows, K, N, m0); break;
-    case 4: block<NR, 4>(W, X, Y, n0, rows, K, N, m0); break;
-    case 3: block<NR, 3>(W, X, Y, n0, rows, K, N, m0); break;
-    case 2: block<NR, 2>(W, X, Y, n0, rows, K, N, m0); break;
-    case 1: block<NR, 1>(W, X, Y, n0, rows, K, N, m0); break;
-    default: break;
-  }
+// Rows m0..m0+MB against column blocks j_lo..j_hi, NB blocks a tile (registers: MB x NB accumulators + NB weights).
+template <int MB>
+static void row_chunk(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j_lo, int64_t j_hi, int64_t K,
+                      int64_t N) {
+  constexpr int NB = MB <= 2 ? 8 : MB <= 6 ? 4 : 3;
+  int64_t j = j_lo;
+  for (; j + NB <= j_hi; j += NB) tile<MB, NB>(X, Wp, Y, m0, j, K, N);
+  for (; j < j_hi; ++j) tile<MB, 1>(X, Wp, Y, m0, j, K, N);
 }
 
-// fp32 Y[M, N] = X[M, K] W[N, K]^T (+ bias), K % 32 == 0.
-static void matmul(const bf16* X, const bf16* W, const bf16* bias, float* Y, int64_t M, int64_t K, int64_t N) {
-  at::parallel_for(0, (N + 3) / 4, 32, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 4, rows = std::min<int64_t>(4, N - n0);
-      if (M <= 4) {
-        rows_tail<4>(W, X, Y, n0, rows, K, N, 0, M);
-        continue;
-      }
-      for (int64_t h = 0; h < rows; h += 2) {
-        const int64_t r2 = std::min<int64_t>(2, rows - h);
-        int64_t m0 = 0;
-        for (; m0 + 8 <= M; m0 += 8) block<2, 8>(W, X, Y, n0 + h, r2, K, N, m0);
-        rows_tail<2>(W, X, Y, n0 + h, r2, K, N, m0, M - m0);
+// fp32 Y[M, N] = X[M, K] W[N, K]^T (+ bias) with W packed by `pack_bf16`, K even. Columns go in groups of 8 blocks
+// (128 columns): all row chunks of 8 run over one group before the next, so with many rows a group's weights are
+// re-read from L2, not memory, and up to 8 rows read them once.
+static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = (N + 15) / 16;
+  at::parallel_for(0, (blocks + 7) / 8, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t j_lo = g * 8, j_hi = std::min<int64_t>(blocks, j_lo + 8);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 8: row_chunk<8>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 7: row_chunk<7>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 6: row_chunk<6>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 5: row_chunk<5>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 4: row_chunk<4>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 3: row_chunk<3>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 2: row_chunk<2>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          default: row_chunk<1>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+        }
       }
     }
   });
@@ -211,7 +225,7 @@ torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, torch::Tensor sca
   return y;
 }
 
-// One weight of the fused stack: a bf16 matrix [N, K] for the streaming kernel, or (with scales and mins) a
+// One weight of the fused stack: a bf16 matrix packed by `pack_bf16`, or (with scales and mins) a
 // 4-bit matrix in this file's layout (the quantized_self drafter).
 struct Weight {
   const torch::Tensor& w;
@@ -233,9 +247,10 @@ static void apply(const Weight& W, bf16* x, float* y, int64_t M, int64_t K, int6
   for (int64_t i = 0; i < M * N; ++i) y[i] = rb(y[i]);
 }
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N) {
+  // w: packed by `pack_bf16` from an [N, K] weight
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
+  const int64_t M = x2.size(0), K = x2.size(1);
   std::vector<float> y32(M * N);
   matmul(P(x2), P(w), bias ? P(*bias) : nullptr, y32.data(), M, K, N);
   auto sizes = x.sizes().vec();
@@ -454,6 +469,14 @@ def load() -> Any:
                                                 type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             _module = None
         return _module
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bfloat16 -> the kernels' layout [ceil(N/16), K/2, 16, 2] (16 output columns' weights for one input
+    pair side by side; rows past N are zero)."""
+    n, k = weight.shape
+    w = weight if n % 16 == 0 else torch.cat([weight, weight.new_zeros((-n) % 16, k)])
+    return w.view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def available() -> bool:

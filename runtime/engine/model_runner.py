@@ -88,33 +88,36 @@ def compute_dtype(requested: str | torch.dtype | None, model_dtype: torch.dtype,
 class Dense:
     """y = x W^T + b with plain tensors (no module dispatch).
 
-    CPU bfloat16 with native kernels: the weight is pre-packed once for oneDNN (`mkldnn._linear_pointwise`);
-    measured here on SmolLM2-shaped layers, one thread: 5.0 / 5.7 / 5.6 ms for 1 / 5 / 16 rows, where
-    F.linear in bf16 takes 8.3 / 8.4 / 9.5 ms and in float32 4.8 / 10.3 / 17.5 ms — a memory-bound matmul, so
-    verifying drafts is nearly free. One or two rows go to `cpu_kernels.linear_bf16` where it is built (it streams
-    the weight at 13-14 GB/s where oneDNN's one-row path reaches 9-12 GB/s; from 5 rows on oneDNN is faster).
-    Everywhere else: F.linear (float32 one-row GEMV is its fastest path).
+    CPU bfloat16 with native kernels: up to SMALL_ROWS rows go to `cpu_kernels.linear_bf16` (weights packed once
+    into its layout), more to oneDNN with the weight pre-packed once (`mkldnn._linear_pointwise`). Measured here
+    (Xeon with AVX512-BF16, no AMX, one thread, stacks of SmolLM2 / bench / tiny-shaped layers): the kernel takes
+    8.8 / 14.7 / 46.6 ms for 1 / 5 / 16 rows of SmolLM2's 30 layers where oneDNN takes 12.4 / 17.9 / 48.3, and is
+    1.5-6x faster on the small builtin models, whose matmuls are too small for oneDNN's per-call overhead; at 40
+    rows the two are even. Everywhere else: F.linear (float32 one-row GEMV is its fastest path).
     """
 
-    SMALL_ROWS = 2  # up to this many rows: the streaming kernel
+    SMALL_ROWS = 16  # up to this many rows: the kernel
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.packed = None
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
         self.kernels = None
+        self.kweight: torch.Tensor | None = None  # cpu_kernels' layout, where the kernels run this weight
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-            self.weight = weight.contiguous()
-            if cpu_kernels.fits(self.weight):
+            if cpu_kernels.fits(weight) and cpu_kernels.load() is not None:
                 self.kernels = cpu_kernels.load()
+                self.kweight = cpu_kernels.pack_bf16(weight)
+                self.weight = None  # oneDNN and the kernels each hold their own packed copy
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.numel() <= self.SMALL_ROWS * x.shape[-1]:
-            return self.kernels.linear_bf16(x, self.weight, self.bias)
+            return self.kernels.linear_bf16(x, self.kweight, self.bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
 
@@ -278,14 +281,12 @@ class TransformerRunner:
     """Runs (the first `num_layers` layers of) a Llama/Qwen2 causal LM over a StaticKVCache."""
 
     FEW_TOKENS = 16  # forwards of at most this many tokens per row attend with cpu_kernels where it runs
-    # The fused kernel streams every weight once per 8 rows (batch x tokens) where oneDNN's packed GEMM reads it
-    # once: it wins while weights stay in cache or rows are few. Measured here (one thread, tiny 2x128 / SmolLM2
-    # 30x576, per forward incl. head, vs the per-op path): see `fused_rows`.
-    FUSED_ROWS_STREAMED = 8    # weights larger than the cache budget below: one pass over them at most
-    FUSED_ROWS_CACHED = 64     # weights that fit: per-op dispatch costs more than re-reading them
-    FUSED_CACHED_BYTES = 32 << 20
+    # Forwards of at most this many rows (batch x tokens) run the fused stack: its matmul keeps pace with oneDNN's
+    # up to ~40 rows (see `Dense`) and it saves ~12 op dispatches per layer; measured per forward on the tiny
+    # policy, one thread: 0.08 / 0.15 / 0.34 / 0.67 ms at batch 1 / 2 / 8 / 16 where the per-op path takes 0.34 /
+    # 0.46 / 0.94 / 1.49 ms.
+    FUSED_ROWS = 64
     _fused: tuple[list, ...] | None = None  # cpu_kernels.decode_layers' weights (set by refresh where it runs)
-    _fused_rows = 0  # the most rows (batch x tokens) a forward sends to it
 
     def __init__(self, model: nn.Module, quantize: int = 0, max_positions: int | None = None,
                  dtype: str | torch.dtype | None = None) -> None:
@@ -378,9 +379,6 @@ class TransformerRunner:
         self.cos_table = (emb.cos() * scale).to(self.dtype)
         self.sin_table = (emb.sin() * scale).to(self.dtype)
         self._fused = self._fused_decode_args()
-        if self._fused is not None:
-            size = sum(t.numel() * t.element_size() for col in self._fused for t in col if t is not None)
-            self._fused_rows = self.FUSED_ROWS_CACHED if size <= self.FUSED_CACHED_BYTES else self.FUSED_ROWS_STREAMED
         self._signature = self._current_signature()
 
     def _fused_decode_args(self) -> tuple[list, ...] | None:
@@ -402,7 +400,7 @@ class TransformerRunner:
         cols: list[list] = [[w.in_norm for w in self.layers], [w.post_norm for w in self.layers]]
         for name in ("qkv", "o", "gate_up", "down"):
             mods = [getattr(w, name) for w in self.layers]
-            cols += [[m.q4_packed if isinstance(m, Int4Dense) else m.weight for m in mods],
+            cols += [[m.q4_packed if isinstance(m, Int4Dense) else m.kweight for m in mods],
                      [m.q4_sz if isinstance(m, Int4Dense) else None for m in mods],
                      [m.bias for m in mods]]
         return tuple(cols)
@@ -503,7 +501,7 @@ class TransformerRunner:
         hn = F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps)
         head = self.lm_head
         if row_invariant and isinstance(head, Dense) and head.kernels is not None:
-            return head.kernels.linear_bf16(hn, head.weight, head.bias).float(), hn
+            return head.kernels.linear_bf16(hn, head.kweight, head.bias, head.out_features).float(), hn
         return head(hn).float(), hn
 
     def prefill(self, cache: StaticKVCache, slot0: int, tokens: torch.Tensor, lens: list[int],
@@ -533,7 +531,7 @@ class TransformerRunner:
         h = F.embedding(tokens, self.embed)
         b, t = tokens.shape
         fused = False
-        if self._fused is not None and lens is None and t <= self.FEW_TOKENS and b * t <= self._fused_rows \
+        if self._fused is not None and lens is None and t <= self.FEW_TOKENS and b * t <= self.FUSED_ROWS \
                 and max(starts) + t <= min(cache.max_len, self.max_positions):
             # Decode-sized forwards (plain steps, verifications, a drafter's steps): the whole layer stack in one
             # call, each token of each row computed exactly as a one-token batch-1 step would compute it.

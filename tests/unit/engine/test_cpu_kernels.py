@@ -27,13 +27,13 @@ def test_kernels_build_wherever_the_cpu_and_toolchain_allow() -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5, 19])
 def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(200, 96, generator=g).to(torch.bfloat16)
     b = torch.randn(200, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
-    y = cpu_kernels.load().linear_bf16(x, w, b)
+    y = cpu_kernels.load().linear_bf16(x, cpu_kernels.pack_bf16(w), b, 200)
     ref = x.float() @ w.float().t() + b.float()
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
     assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-3)
@@ -41,14 +41,15 @@ def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
 
 @needs_kernels
 def test_linear_bf16_rows_do_not_depend_on_the_batch() -> None:
-    # 1-4 rows take 4x4 blocks, more take 2x8 blocks plus a remainder: every row must round as it does alone
+    # rows go in chunks of 8 with tiles of 8, 4 or 3 column blocks by chunk size (70 columns: a partial block):
+    # every row must round as it does alone
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(70, 128, generator=g).to(torch.bfloat16)
+    w = cpu_kernels.pack_bf16(torch.randn(70, 128, generator=g).to(torch.bfloat16))
     x = torch.randn(21, 128, generator=g).to(torch.bfloat16)
     k = cpu_kernels.load()
-    alone = torch.cat([k.linear_bf16(x[i : i + 1], w, None) for i in range(21)])
-    for rows in (2, 4, 5, 8, 9, 16, 21):
-        assert torch.equal(k.linear_bf16(x[:rows], w, None), alone[:rows]), rows
+    alone = torch.cat([k.linear_bf16(x[i : i + 1], w, None, 70) for i in range(21)])
+    for rows in (2, 4, 5, 7, 8, 9, 16, 21):
+        assert torch.equal(k.linear_bf16(x[:rows], w, None, 70), alone[:rows]), rows
 
 
 @needs_kernels
