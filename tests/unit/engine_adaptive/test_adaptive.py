@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import itertools
 import random
 
@@ -177,6 +179,22 @@ def test_measurements_correct_a_wrong_calibration() -> None:
     achieved = drive(ctrl, machine, 1, 2000)
     assert ctrl.stats()["alpha"]["draft_model"] > 0.8  # the probes found out
     assert achieved >= 0.9 * machine.best_fixed(1, 2000), ctrl.stats()
+
+
+def test_no_probes_at_large_batches() -> None:
+    # speculation does not pay at batch 256 on this machine: the argmax keeps plain decoding and no probe of a
+    # proposer runs there (each would verify gamma+1 tokens per row); in the tail the probes still come
+    machine = Machine({"ngram": 0.2}, {"ngram": 0.0}, seed=6)
+    ctrl = AdaptiveController(["ngram"], cost_model=calibrated(machine, ["ngram"]), alpha_priors={"ngram": 0.2},
+                              settings=AdaptiveSettings(probe=0.05, probe_max_batch=16))
+    big = [ctrl.decide(256) for _ in range(400)]
+    assert all(d == AR for d in big), Counter(d.method for d in big)
+    small = []
+    for _ in range(400):
+        d = ctrl.decide(4)
+        small.append(d)
+        ctrl.observe(d, machine.step(d, 4))
+    assert any(d.method == "ngram" for d in small)
 
 
 def test_without_calibration_it_measures_plain_then_probes_every_proposer() -> None:
