@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import itertools
 import random
+from collections import Counter
 
 import pytest
 from specrl.runtime.engine.adaptive import (
