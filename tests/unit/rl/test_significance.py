@@ -5,7 +5,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from specrl.runtime.rl.significance import length_profile, mcnemar_exact_p, paired_comparison, wilson_interval
+from specrl.runtime.rl.significance import (
+    grouped_comparison,
+    length_profile,
+    mcnemar_exact_p,
+    paired_comparison,
+    wilson_interval,
+)
 
 
 def test_wilson_interval_known_values():
@@ -58,3 +64,28 @@ def test_length_profile():
     assert p["tail_ratio"] == 5.0
     assert length_profile([]) == {"median": 0.0, "p95": 0.0, "max": 0.0, "tail_ratio": 0.0}
     assert length_profile([3, 5])["median"] == 4.0
+
+
+def test_grouped_comparison_splits_by_level_and_skips_unlabelled():
+    before = [True, False, False, True, False]
+    after = [True, True, False, False, True]
+    groups = ["easy", "easy", "hard", "hard", None]
+    by = grouped_comparison(before, after, groups)
+    assert list(by) == ["easy", "hard"]
+    assert by["easy"] == {"n": 2, "before": 0.5, "after": 1.0, "difference": 0.5}
+    assert by["hard"] == {"n": 2, "before": 0.5, "after": 0.0, "difference": -0.5}
+    with pytest.raises(ValueError, match="lengths differ"):
+        grouped_comparison([True], [True], [])
+
+
+def test_heldout_split_follows_the_jobs_mix_and_never_overlaps_training():
+    from specrl.runtime.rl.settings import RunSettings
+    from specrl.runtime.rollout_worker import load_problem_split
+
+    settings = RunSettings(dataset="builtin:arithmetic", dataset_size=4000, eval_size=2000,
+                           difficulty={"easy": 0.8, "medium": 0.1, "hard": 0.1})
+    train, evals = load_problem_split(settings)
+    assert len(train) == 4000 and len(evals) == 2000
+    assert not {p.prompt for p in train} & {p.prompt for p in evals}
+    easy = sum(p.difficulty == "easy" for p in evals) / len(evals)
+    assert 0.76 < easy < 0.84  # drawn like training problems (distinct prompts skewed this to ~0.65)
