@@ -49,7 +49,7 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
     assert on_disk["accuracy_start"] == h["before"] and on_disk["accuracy_end"] == h["after"]
     # per difficulty: the levels of the job's mix that the 8 held-out problems drew, adding up to the whole
     by = h["by_difficulty"]
-    assert set(by) <= set(settings.difficulty) and sum(v["n"] for v in by.values()) == h["n"]
+    assert set(by) <= set(settings.difficulty or {}) and sum(v["n"] for v in by.values()) == h["n"]
     assert sum(v["after"] * v["n"] for v in by.values()) == pytest.approx(h["after"] * h["n"])
     g = on_disk["greedy_heldout"]  # greedy: the same problems pair up exactly
     assert g["n"] == g["problems"] == 8 == on_disk["eval_problems"]
