@@ -615,10 +615,13 @@ def _plot_time(ax: Any, records: list[dict], summary: dict, _compare: dict | Non
              ("train", [r["train_seconds"] for r in records]),
              ("sync + rest", [max(0.0, r["step_seconds"] - r["rollout_seconds"] - r["train_seconds"])
                               for r in records])]
-    bottom = [0.0] * len(records)
-    for name, values in parts:
-        ax.bar(steps, values, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values)]
+    if len(records) > 60:  # bars narrower than a pixel alias away (a 400-step run showed a gap): stacked areas
+        ax.stackplot(steps, *(values for _, values in parts), labels=[name for name, _ in parts], step="mid")
+    else:
+        bottom = [0.0] * len(records)
+        for name, values in parts:
+            ax.bar(steps, values, bottom=bottom, label=name)
+            bottom = [b + v for b, v in zip(bottom, values)]
     speedup = summary.get("sd_rollout_speedup")
     if speedup:
         ax.plot(steps, [r["step_seconds"] + r["rollout_seconds"] * (speedup - 1) for r in records], "k--",
