@@ -6,11 +6,11 @@ packed bf16 matmul reads weights at 9-12 GB/s for one row where a plain `sum` st
 per-op dispatch adds ~9 ms per step (30 layers x ~12 ops). `linear_bf16` multiplies a few rows by a weight
 packed once into `vdpbf16ps`'s pair layout (`pack_bf16`; fp32 accumulation in vector lanes, round-to-nearest-even
 output like oneDNN's), tiles of up to 8 rows x 128 columns in registers, so up to 8 rows read the weights once:
-24 GB/s at one row on SmolLM2 where the chip's bf16 dot-product throughput (~36 GMAC/s a core on the Xeon measured
-here) bounds it from ~4 rows on; `decode_layers` runs a whole stack of Llama layers for a few tokens of each of a few sequences in one call (norms,
-fused qkv, rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16 at the same points as the ATen
-path. Every row is computed exactly as it would be alone, so plain decoding, the verification of drafts and any
-batch composition give bit-identical logits for a sequence.
+24 GB/s at one row on SmolLM2, and from ~4 rows on the chip's bf16 dot-product throughput bounds it (~36 GMAC/s a
+core on the Xeon measured here). `decode_layers` runs a whole stack of Llama layers for a few tokens of each of a
+few sequences in one call (norms, fused qkv, rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16
+at the same points as the ATen path. Every row is computed exactly as it would be alone, so plain decoding, the
+verification of drafts and any batch composition give bit-identical logits for a sequence.
 
 Built lazily on first use with `torch.utils.cpp_extension.load_inline` (about 30 s, cached under
 ~/.cache/specrl/kernels); where there is no compiler, no AVX512-BF16, or the build fails, `available()` is False
