@@ -408,6 +408,22 @@ def _drafter_digest(self) -> str:
     return weights_digest(self.drafter.model) if self.drafter is not None else ""
 
 
+def _hold_the_tail(self) -> None:
+    """Keep each finished `generate` reporting its last decode batch for 0.6 s more: the micro policy's rollouts
+    take milliseconds, so the coordinator's poll (every 0.25 s) could miss the long tail in which the drafter
+    trains; this makes the tail, and so drafter training, certain in every step."""
+    import time as _time
+
+    real = self.engine.generate
+
+    def generate(*args, **kwargs):
+        out = real(*args, **kwargs)
+        _time.sleep(0.6)
+        return out
+
+    self.engine.generate = generate
+
+
 def test_a_new_rank_0_takes_over_the_newest_drafter(local_ray, micro, tmp_path):
     """Trainer rank 0 (the drafter's master copy) is SIGKILLed twice between steps (checkpoints every 2 steps).
     After step 1 the checkpoint holds the newest drafter: the survivor, now rank 0, loads it (weights, optimizer,
@@ -425,6 +441,7 @@ def test_a_new_rank_0_takes_over_the_newest_drafter(local_ray, micro, tmp_path):
     coord = JobCoordinator(s)
     try:
         coord.start()
+        ray.get([a.__ray_call__.remote(_hold_the_tail) for a in coord.rollouts.values()])
         coord.run_step()
         coord.run_step()
         for expected_source in (str(tmp_path / "step-000002"), f"{s.job}-rollout-0 (version 3)"):
