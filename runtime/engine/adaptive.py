@@ -14,9 +14,8 @@ controller takes the argmax over {plain} ∪ {(m, γ)} of that ratio — that is
 * **probes**: a share `probe` of the steps runs the option that has gone longest without a measurement — plain
   decoding included — so a drafter that improves (it is trained while the job runs) or a machine that got slower
   is noticed. Options never measured at all and without a calibration are probed first. Probes run only at batch
-  sizes up to `probe_max_batch`: the long tail is where speculation can pay, and a probe at the full step batch
-  (384 rows in tiny-local) verified γ+1 tokens per row for ~1.3 accepted — four such steps every few hundred cost
-  that job's speculative engine ~10% of its rollout time against the plain one.
+  sizes up to `probe_max_batch`: the long tail is where speculation can pay, and a probe burst at a full step batch
+  (384 rows in tiny-local) verifies γ+1 tokens per row for ~1.3 accepted, at the batch where a step costs most.
 
 Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
 their draft time is not recorded; their verify time and acceptance are. Nothing here touches the sampling RNG:
