@@ -15,7 +15,7 @@ optimizer steps, weight sync) are picked up automatically at the next `generate`
 per-channel weights (re-quantized from the policy on refresh); `quantize_bits` picks 4 where the CPU kernel exists.
 
 On a CPU with AVX512-BF16 (and a C++ compiler), bfloat16 and 4-bit runners take `cpu_kernels` for decode-sized
-forwards (`fused_rows`: a few tokens of a few sequences — decode steps, their verification, drafting): the whole
+forwards (`FUSED_ROWS`: a few tokens of a few sequences — decode steps, their verification, drafting): the whole
 layer stack in one C++ call, each token computed exactly as a one-token batch-1 step computes it. Larger forwards
 keep the per-op path, whose few-token forwards share the same attention routine.
 """
@@ -107,8 +107,9 @@ class Dense:
         self.kweight: torch.Tensor | None = None  # cpu_kernels' layout, where the kernels run this weight
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
-            if cpu_kernels.fits(weight) and cpu_kernels.load() is not None:
-                self.kernels = cpu_kernels.load()
+            kernels = cpu_kernels.load() if cpu_kernels.fits(weight) else None
+            if kernels is not None:
+                self.kernels = kernels
                 self.kweight = cpu_kernels.pack_bf16(weight)
                 self.weight = None  # oneDNN and the kernels each hold their own packed copy
 
