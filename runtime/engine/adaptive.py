@@ -214,7 +214,10 @@ class AdaptiveController:
             self.current = decision
         self.probes += probe is not None
         self.sd_steps += is_speculative(decision)
-        self._counts.setdefault(active_batch_size, Counter())[label(decision)] += 1
+        counts = self._counts.get(active_batch_size)
+        if counts is None:  # not setdefault: it would build a Counter at every step
+            counts = self._counts[active_batch_size] = Counter()
+        counts[label(decision)] += 1
         if self.metrics is not None:
             self.metrics.spec_decode_enabled.set(1 if is_speculative(decision) else 0)
             self.metrics.spec_decode_draft_length.set(decision.gamma if is_speculative(decision) else 0)

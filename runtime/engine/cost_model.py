@@ -76,22 +76,28 @@ def _interp(points: Mapping[int, float], x: float) -> float:
     return _interp_with(sorted(points), points.__getitem__, x)
 
 
-def _interp_with(keys: Sequence[int], value: Callable[[int], float], x: float) -> float:
-    """`_interp` over sorted `keys`, evaluating `value` only at the (at most two) keys that bracket x."""
+def _bracket(keys: Sequence[int], x: float) -> list[tuple[int, float]]:
+    """The (key, weight) pairs that piecewise-linear interpolation in log(x) over sorted `keys` mixes at x."""
     if not keys:
         raise ValueError("no calibration points")
     if x <= keys[0]:
-        return value(keys[0])
+        return [(keys[0], 1.0)]
     if x >= keys[-1]:
-        return value(keys[-1])
+        return [(keys[-1], 1.0)]
     i = bisect.bisect_right(keys, x)
     a, b = keys[i - 1], keys[i]
     w = (math.log(x) - math.log(a)) / (math.log(b) - math.log(a))
-    return value(a) * (1 - w) + value(b) * w
+    return [(a, 1 - w), (b, w)]
 
 
-def _linear_in_tokens(by_k: Mapping[int, float], tokens: int) -> float:
-    ks = sorted(by_k)
+def _interp_with(keys: Sequence[int], value: Callable[[int], float], x: float) -> float:
+    """`_interp` over sorted `keys`, evaluating `value` only at the (at most two) keys that bracket x."""
+    return sum(value(k) * w for k, w in _bracket(keys, x))
+
+
+def _linear_in_tokens(by_k: Mapping[int, float], tokens: int, ks: Sequence[int] | None = None) -> float:
+    """by_k at `tokens`, linear between measured token counts (`ks`: sorted keys of by_k, if already known)."""
+    ks = sorted(by_k) if ks is None else ks
     if tokens in by_k:
         return by_k[tokens]
     if len(ks) == 1:
@@ -137,24 +143,36 @@ class CostModel:
 
     def v(self, batch: int, gamma: int) -> float:
         """verify(γ+1 tokens) / plain step at this batch size (linear in tokens between measured k)."""
+        return self.verify_ratios(batch, (gamma,))[gamma]
+
+    def verify_ratios(self, batch: int, gammas: Iterable[int]) -> dict[int, float]:
+        """`v(batch, γ)` for every γ in `gammas`, reading each bracketing batch size's measurements once (the
+        controller evaluates every γ at every table refresh)."""
+        gammas = list(gammas)
         if not self.verify_step:
-            return float(gamma + 1)
-
-        def at(b: int) -> float:
+            return {g: float(g + 1) for g in gammas}
+        out = dict.fromkeys(gammas, 0.0)
+        for b, w in _bracket(sorted(self.verify_step), batch):
             t = self.target_step.get(b) or self.t_ar(b)
-            return _linear_in_tokens({**self.verify_step[b], 1: t}, gamma + 1) / t
-
+            points = {**self.verify_step[b], 1: t}
+            ks = sorted(points)
+            for g in gammas:
+                out[g] += _linear_in_tokens(points, g + 1, ks) / t * w
         # verifying γ+1 tokens is never cheaper than the one-token plain step it replaces
-        return max(_interp_with(sorted(self.verify_step), at, batch), 1.0)
+        return {g: max(x, 1.0) for g, x in out.items()}
 
     def r(self, method: str, batch: int) -> float:
         if method not in self.draft_step:
             raise KeyError(f"CostModel: proposer {method!r} was not calibrated (have {self.methods})")
-        return max(_interp({b: t / self.t_ar(b) for b, t in self.draft_step[method].items()}, batch), 0.0)
+        return self._relative(self.draft_step[method], batch)
 
     def round_overhead(self, method: str, batch: int) -> float:
         by_b = self.overhead.get(method)
-        return max(_interp({b: t / self.t_ar(b) for b, t in by_b.items()}, batch), 0.0) if by_b else 0.0
+        return self._relative(by_b, batch) if by_b else 0.0
+
+    def _relative(self, seconds: Mapping[int, float], batch: int) -> float:
+        """seconds[b] / t(b), interpolated at `batch` (evaluated only at the two bracketing batch sizes)."""
+        return max(_interp_with(sorted(seconds), lambda b: seconds[b] / self.t_ar(b), batch), 0.0)
 
     def round_cost(self, method: str, gamma: int, batch: int) -> float:
         """Cost of one speculative round in plain steps: γ·r + v (+ the proposer's per-round overhead)."""
@@ -166,9 +184,10 @@ class CostModel:
     def best_gamma(self, method: str, batch: int, alpha: float, gammas: Iterable[int]) -> tuple[int, float]:
         """The γ in `gammas` with the highest predicted speedup (shorter on ties), and that speedup."""
         r, a = self.r(method, batch), self.round_overhead(method, batch)
+        v = self.verify_ratios(batch, sorted(gammas))
         best = (-1.0, 0)
-        for g in sorted(gammas):
-            s = expected_tokens_per_round(alpha, g) / (g * r + a + self.v(batch, g))
+        for g, vg in v.items():
+            s = expected_tokens_per_round(alpha, g) / (g * r + a + vg)
             if s > best[0]:
                 best = (s, g)
         return best[1], best[0]

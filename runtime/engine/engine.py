@@ -491,7 +491,8 @@ class RolloutEngine:
         emitted = 0
         for s, t, l in zip(active, toks, lps):
             emitted += self._append(s, [t], [l])
-        self._truncate_proposers(active)
+        # No proposer truncation: a plain step only appends a token, so what each proposer holds is still a prefix
+        # of every row (truncation is a no-op here, and a Python loop over rows x proposers at every step).
         self.stats.target_forwards += 1
         self.stats.ar_steps += 1
         dt = time.perf_counter() - t0
