@@ -10,7 +10,7 @@ output like oneDNN's), tiles of up to 8 rows x 128 columns in registers, so up t
 core on the Xeon measured here). `decode_layers` runs a whole stack of Llama layers for a few tokens of each of a
 few sequences in one call (norms, fused qkv, rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16
 at the same points as the ATen path; its elementwise work (roundings, norms, rotary, SiLU, softmax) runs 16 lanes at
-a time with a vector exp (scalar `std::exp` and bf16 roundings were ~40 µs per row and layer at 512 wide, 12-15% of a
+a time with a vector exp (scalar `std::exp` and bf16 roundings cost ~20 µs per row and layer at 512 wide, 12-15% of a
 forward of the 27M benchmark model at every batch size). Every row is computed exactly as it would be alone, so
 plain decoding, the verification of drafts and any batch composition give bit-identical logits for a sequence.
 
