@@ -13,7 +13,8 @@ controller takes the argmax over {plain} ∪ {(m, γ)} of that ratio — that is
   pays a catch-up on every token it missed when it is switched back in, and a flapping policy pays it often);
 * **probes**: a share `probe` of the steps runs the option that has gone longest without a measurement — plain
   decoding included — so a drafter that improves (it is trained while the job runs) or a machine that got slower
-  is noticed. Options never measured at all and without a calibration are probed first. Probes run only at batch
+  is noticed. Only options that could change the choice are probed: a proposer must beat the best prediction
+  with an acceptance `probe_optimism` above its estimate. Options never measured at all and without a calibration are probed first. Probes run only at batch
   sizes up to `probe_max_batch`: the long tail is where speculation can pay, and a probe burst at a full step batch
   (384 rows in tiny-local) verifies γ+1 tokens per row for ~1.3 accepted, at the batch where a step costs most.
 
@@ -80,6 +81,7 @@ class AdaptiveSettings:
     probe: float = 0.01  # share of steps that refresh the stalest option (spec.speculative.adaptive.epsilon)
     probe_run: int = 4  # steps in a row per probe (one round says little about acceptance at batch 1)
     probe_max_batch: int = 16  # no probes above this active batch size (see the module docstring)
+    probe_optimism: float = 0.25  # a proposer is probed only if this much more acceptance would make it the best
     window: int = 32  # timing samples kept per (quantity, batch size)
     alpha_weight: float = 0.02  # decay per round of the acceptance counts (a window of ~50 rounds)
     prior_alpha: float = 0.6
@@ -95,8 +97,9 @@ class AdaptiveSettings:
         if not self.min_gamma <= self.gamma <= self.max_gamma:
             raise ValueError(f"numSpeculativeTokens: {self.gamma} outside [minDraftTokens, maxDraftTokens] = "
                              f"[{self.min_gamma}, {self.max_gamma}]")
-        if self.hysteresis < 0 or not 0 <= self.probe <= 1:
-            raise ValueError(f"hysteresis must be >= 0 and probe in [0, 1], got {self.hysteresis}, {self.probe}")
+        if self.hysteresis < 0 or not 0 <= self.probe <= 1 or not 0 <= self.probe_optimism <= 1:
+            raise ValueError(f"hysteresis must be >= 0, probe and probe_optimism in [0, 1], got {self.hysteresis}, "
+                             f"{self.probe}, {self.probe_optimism}")
         if self.window < 1 or self.refresh < 1 or self.probe_run < 1 or self.probe_max_batch < 1:
             raise ValueError(f"window, refresh, probe_run and probe_max_batch must be >= 1, got {self.window}, "
                              f"{self.refresh}, {self.probe_run}, {self.probe_max_batch}")
@@ -190,7 +193,8 @@ class AdaptiveController:
             return None
         options = self.table(batch)
         current = self.current.method if is_speculative(self.current) else None
-        stale = min((k for k in options if k != current), key=lambda k: self._last_run.get(k, -1), default=current)
+        candidates = [k for k in options if k != current and self._could_win(k, batch, options)]
+        stale = min(candidates, key=lambda k: self._last_run.get(k, -1), default=current)
         if stale == current:
             return None
         option = options[stale][1]
@@ -198,6 +202,18 @@ class AdaptiveController:
             option = Decision(option.method, max(option.gamma, s.gamma))
         self._probing = (option, s.probe_run - 1) if s.probe_run > 1 else None
         return option
+
+    def _could_win(self, option: str | None, batch: int, options: Mapping[str | None, tuple[float, Decision]]
+                   ) -> bool:
+        """Whether a probe of `option` could change the choice: a proposer must beat the best option's predicted
+        speed with an acceptance `probe_optimism` above its estimate (a probe of a hopeless option costs several
+        slow steps: an n-gram probe at batch 16 ran at 0.4x plain); plain decoding, the baseline of every ratio,
+        always could."""
+        if option is None or self.costs is None:
+            return True
+        alpha = min(self.alpha[option] + self.settings.probe_optimism, 1.0)
+        optimistic = self.costs.best_gamma(option, batch, alpha, self.settings.gammas())[1]
+        return optimistic > max(v[0] for v in options.values())
 
     def decide(self, active_batch_size: int) -> Decision:
         s = self.settings

@@ -235,7 +235,20 @@ def test_probes_refresh_unused_options_at_the_configured_rate() -> None:
     stats = ctrl.stats()
     assert 40 <= stats["probe_steps"] <= 60  # 5% of 1000
     assert {"ar", "draft_model"} <= {k.split(":")[0] for k in stats["decisions_by_batch_size"][1]}
-    assert any(k.startswith("ngram") for k in stats["decisions_by_batch_size"][1])  # probed, never chosen
+    # n-gram could not win even at acceptance 0.2 + probe_optimism: never probed (each probe would be slow steps)
+    assert not any(k.startswith("ngram") for k in stats["decisions_by_batch_size"][1])
+    assert ctrl.current.method == "draft_model"
+
+
+def test_an_option_that_could_win_is_probed() -> None:
+    # n-gram is predicted below draft_model (1.7x vs 2.35x plain), but with acceptance 0.25 higher it would be the
+    # best: probed, while the argmax stays on draft_model
+    machine = Machine({"draft_model": 0.75, "ngram": 0.5}, {"draft_model": 0.05, "ngram": 0.0}, seed=7)
+    methods = ["draft_model", "ngram"]
+    ctrl = AdaptiveController(methods, cost_model=calibrated(machine, methods), settings=AdaptiveSettings(probe=0.05),
+                              alpha_priors={"draft_model": 0.75, "ngram": 0.5})
+    drive(ctrl, machine, 1, 1000)
+    assert any(k.startswith("ngram") for k in ctrl.stats()["decisions_by_batch_size"][1])
     assert ctrl.current.method == "draft_model"
 
 
