@@ -34,7 +34,6 @@ from typing import Any
 from .control import Decision, StepClock, StepRecord
 from .cost_model import (
     CostModel,
-    _interp,
     alpha_from_mean_accepted,
     expected_tokens_per_round,
     low_percentile,
@@ -83,7 +82,9 @@ class AdaptiveSettings:
     probe_max_batch: int = 16  # no probes above this active batch size (see the module docstring)
     probe_optimism: float = 0.25  # a proposer is probed only if this much more acceptance would make it the best
     window: int = 32  # timing samples kept per (quantity, batch size)
-    alpha_weight: float = 0.02  # decay per round of the acceptance counts (a window of ~50 rounds)
+    # draft tokens of acceptance evidence the estimate remembers (an exponential window): counted in tokens, not
+    # rounds, so it follows a change of regime as fast at batch 1 (a few tokens a round) as at batch 16
+    alpha_memory: float = 256.0
     prior_alpha: float = 0.6
     refresh: int = 8  # steps between recomputations of one batch size's table of options
     clock: str = "wall"  # "cpu" on shared CPU machines, see control.StepClock
@@ -100,6 +101,8 @@ class AdaptiveSettings:
         if self.hysteresis < 0 or not 0 <= self.probe <= 1 or not 0 <= self.probe_optimism <= 1:
             raise ValueError(f"hysteresis must be >= 0, probe and probe_optimism in [0, 1], got {self.hysteresis}, "
                              f"{self.probe}, {self.probe_optimism}")
+        if not self.alpha_memory > 0:
+            raise ValueError(f"alpha_memory must be > 0, got {self.alpha_memory}")
         if self.window < 1 or self.refresh < 1 or self.probe_run < 1 or self.probe_max_batch < 1:
             raise ValueError(f"window, refresh, probe_run and probe_max_batch must be >= 1, got {self.window}, "
                              f"{self.refresh}, {self.probe_run}, {self.probe_max_batch}")
@@ -157,7 +160,7 @@ class AdaptiveController:
             out[None] = (1.0, AR)
         if self.costs is not None:
             for m in self.methods:
-                if m in self.costs.draft_step:
+                if self.costs.knows(m):
                     g, s = self.costs.best_gamma(m, batch, self.alpha[m], self.settings.gammas())
                     out[m] = (s, Decision(m, g))
         self._tables[key] = (self.steps, out)
@@ -183,7 +186,7 @@ class AdaptiveController:
             self._probing = None
             return None
         for m in self.methods:  # proposers without a draft cost or enough acceptance evidence come first
-            if m not in self.costs.draft_step or self._acceptance[m][1] < MIN_TRIED:
+            if not self.costs.knows(m) or self._acceptance[m][1] < MIN_TRIED:
                 return Decision(m, s.gamma)
         if self._probing is not None:
             option, left = self._probing
@@ -268,14 +271,15 @@ class AdaptiveController:
             self.costs.target_step[b] = t
             self._follow(b, t / old if old else 1.0, None)
             return
-        if record.tried_tokens > 0:  # α = accepted / tried over a decaying window of rounds (the MLE)
-            keep = 1 - self.settings.alpha_weight
+        if record.tried_tokens > 0:  # α = accepted / tried over a decaying window of tokens (the MLE)
+            keep = math.exp(-record.tried_tokens / self.settings.alpha_memory)
             acc, tried = self._acceptance[method]
             acc, tried = keep * acc + record.accepted_tokens, keep * tried + record.tried_tokens
             self._acceptance[method] = (acc, tried)
             self.alpha[method] = min(max(acc / tried, 0.0), 1.0)
         elif (alpha := round_alpha_from_record(record)) is not None:
-            self.alpha[method] += self.settings.alpha_weight * (alpha - self.alpha[method])
+            weight = 1 - math.exp(-record.draft_tokens / self.settings.alpha_memory)
+            self.alpha[method] += weight * (alpha - self.alpha[method])
         c = self.costs
         if c is None:
             return
@@ -284,13 +288,21 @@ class AdaptiveController:
         old = by_k.get(k)
         by_k[k] = self._sample(("verify", b, k), record.target_seconds, old)
         self._follow(b, by_k[k] / old if old else 1.0, k)
-        if not switched:
-            per_round = _interp(c.overhead[method], b) if c.overhead.get(method) else 0.0
-            per_token = max(record.draft_seconds - per_round, 0.0) / decision.gamma
-            by_b = c.draft_step.setdefault(method, {})
-            by_b[b] = self._sample(("draft", method, b), per_token, by_b.get(b))
-        elif method not in c.draft_step:  # first ever measurement: an upper bound until a steady step comes
-            c.draft_step[method] = {b: record.draft_seconds / decision.gamma}
+        g = decision.gamma
+        if not c.knows(method):  # first ever measurement: an upper bound until a steady step comes
+            c.draft_round[method] = {b: {g: record.draft_seconds}}
+        elif not switched:
+            by_g = c.draft_round.setdefault(method, {}).get(b)
+            if by_g is None:  # first round at this batch size: every γ starts from the model's prediction
+                t = c.target_step.get(b) or c.t_ar(b)
+                by_g = c.draft_round[method][b] = {
+                    k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
+            old_d = by_g.get(g)
+            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, old_d)
+            if old_d:  # the draft lengths no step has measured move with the one measured
+                for k in by_g:
+                    if k != g and ("draft", method, b, k) not in self._samples:
+                        by_g[k] *= by_g[g] / old_d
 
     def _follow(self, b: int, factor: float, measured_k: int | None) -> None:
         """Scale the verify costs at batch b that no step has measured yet by what the measured one moved: they

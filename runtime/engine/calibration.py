@@ -94,6 +94,7 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
         engine.controller = saved
     draft_step: dict[str, dict[int, float]] = {}
     overhead: dict[str, dict[int, float]] = {}
+    draft_round: dict[str, dict[int, dict[int, float]]] = {}
     for m in methods:
         for b in sizes:
             by_g = {g: low_percentile(draft[(m, b, g)]) for g in gammas if draft.get((m, b, g))}
@@ -107,10 +108,11 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
                 c, a = by_g[gs[0]] / gs[0], 0.0
             draft_step.setdefault(m, {})[b] = c
             overhead.setdefault(m, {})[b] = a
+            draft_round.setdefault(m, {})[b] = dict(by_g)
     target = {b: low_percentile(xs) for b, xs in ar.items() if xs}
     model = CostModel(target_step=target,
                       verify_step={b: {1: target[b], **{k: low_percentile(v) for k, v in by_k.items() if v}}
                                    for b, by_k in verify.items() if b in target},
-                      draft_step=draft_step, overhead=overhead)
+                      draft_step=draft_step, overhead=overhead, draft_round=draft_round)
     alpha = {m: sum(xs) / len(xs) for m, xs in alphas.items() if xs}
     return Calibration(model, alpha, time.perf_counter() - start)

@@ -118,14 +118,17 @@ class CostModel:
     """Step costs on this machine (seconds) at measured batch sizes, interpolated in between.
 
     ``target_step[b]``: one plain decode step at batch b. ``verify_step[b][k]``: one target forward over k new
-    tokens per sequence (k = γ+1 when verifying). ``draft_step[m][b]``: proposer m's cost per draft token;
-    ``overhead[m][b]``: its fixed cost per round (e.g. a draft model's forward over the last accepted tokens).
+    tokens per sequence (k = γ+1 when verifying). ``draft_round[m][b][γ]``: proposer m's drafting in one round
+    with draft length γ (its catch-up on the tokens it has not seen plus γ draft steps), measured per γ like the
+    verification; where a batch size has none, ``draft_step[m][b]`` per draft token and ``overhead[m][b]`` per
+    round (the calibration's straight-line fit) stand in.
     """
 
     target_step: dict[int, float]
     verify_step: dict[int, dict[int, float]]
     draft_step: dict[str, dict[int, float]] = field(default_factory=dict)
     overhead: dict[str, dict[int, float]] = field(default_factory=dict)
+    draft_round: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.target_step:
@@ -136,7 +139,11 @@ class CostModel:
 
     @property
     def methods(self) -> list[str]:
-        return sorted(self.draft_step)
+        return sorted(set(self.draft_step) | set(self.draft_round))
+
+    def knows(self, method: str) -> bool:
+        """Whether proposer `method`'s drafting cost has been measured (calibrated or observed)."""
+        return method in self.draft_step or method in self.draft_round
 
     def t_ar(self, batch: int) -> float:
         return _interp(self.target_step, batch)
@@ -174,27 +181,50 @@ class CostModel:
         """seconds[b] / t(b), interpolated at `batch` (evaluated only at the two bracketing batch sizes)."""
         return max(_interp_with(sorted(seconds), lambda b: seconds[b] / self.t_ar(b), batch), 0.0)
 
+    def draft_ratios(self, method: str, batch: int, gammas: Iterable[int]) -> dict[int, float]:
+        """A round's drafting with each γ in `gammas`, in plain steps at this batch size: linear in γ between the
+        measured draft lengths (never downhill beyond them), or γ·r + a where a batch size has no measured rounds."""
+        gammas = list(gammas)
+        rounds = self.draft_round.get(method, {})
+        per_token, per_round = self.draft_step.get(method, {}), self.overhead.get(method, {})
+        keys = sorted(set(rounds) | set(per_token))
+        if not keys:
+            raise KeyError(f"CostModel: proposer {method!r} was not calibrated (have {self.methods})")
+        out = dict.fromkeys(gammas, 0.0)
+        for b, w in _bracket(keys, batch):
+            t = self.target_step.get(b) or self.t_ar(b)
+            points = rounds.get(b)
+            if points:
+                ks = sorted(points)
+                for g in gammas:
+                    out[g] += _linear_in_tokens(points, g, ks) / t * w
+            else:
+                c, a = per_token[b], per_round.get(b, 0.0)
+                for g in gammas:
+                    out[g] += (g * c + a) / t * w
+        return {g: max(x, 0.0) for g, x in out.items()}
+
     def round_cost(self, method: str, gamma: int, batch: int) -> float:
-        """Cost of one speculative round in plain steps: γ·r + v (+ the proposer's per-round overhead)."""
-        return gamma * self.r(method, batch) + self.v(batch, gamma) + self.round_overhead(method, batch)
+        """Cost of one speculative round in plain steps: drafting γ tokens plus verifying γ+1."""
+        return self.draft_ratios(method, batch, (gamma,))[gamma] + self.v(batch, gamma)
 
     def speedup(self, method: str, gamma: int, batch: int, alpha: float) -> float:
         return expected_tokens_per_round(alpha, gamma) / self.round_cost(method, gamma, batch)
 
     def best_gamma(self, method: str, batch: int, alpha: float, gammas: Iterable[int]) -> tuple[int, float]:
         """The γ in `gammas` with the highest predicted speedup (shorter on ties), and that speedup."""
-        r, a = self.r(method, batch), self.round_overhead(method, batch)
-        v = self.verify_ratios(batch, sorted(gammas))
+        gs = sorted(gammas)
+        v, d = self.verify_ratios(batch, gs), self.draft_ratios(method, batch, gs)
         best = (-1.0, 0)
-        for g, vg in v.items():
-            s = expected_tokens_per_round(alpha, g) / (g * r + a + vg)
+        for g in gs:
+            s = expected_tokens_per_round(alpha, g) / (d[g] + v[g])
             if s > best[0]:
                 best = (s, g)
         return best[1], best[0]
 
     def to_dict(self) -> dict[str, Any]:
         return {"target_step": self.target_step, "verify_step": self.verify_step,
-                "draft_step": self.draft_step, "overhead": self.overhead}
+                "draft_step": self.draft_step, "overhead": self.overhead, "draft_round": self.draft_round}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CostModel:
@@ -204,4 +234,6 @@ class CostModel:
         return cls(target_step=ints(data["target_step"]),
                    verify_step={int(b): ints(by_k) for b, by_k in data["verify_step"].items()},
                    draft_step={m: ints(v) for m, v in data.get("draft_step", {}).items()},
-                   overhead={m: ints(v) for m, v in data.get("overhead", {}).items()})
+                   overhead={m: ints(v) for m, v in data.get("overhead", {}).items()},
+                   draft_round={m: {int(b): ints(by_g) for b, by_g in v.items()}
+                                for m, v in data.get("draft_round", {}).items()})
