@@ -1,22 +1,24 @@
 """Adaptive speculation: one cost-model argmax per decode step (DESIGN §5).
 
 At active batch size b, plain decoding emits b tokens per plain step t(b). A speculative round with proposer m and
-draft length γ emits b·L(α_m, γ) tokens, L = (1 − α^(γ+1)) / (1 − α), and costs
-``γ·d_m(b) + a_m(b) + t_v(b, γ+1)``: γ draft steps, the proposer's fixed per-round work, and one target forward
-over γ+1 tokens. Its speed relative to plain decoding is ``L / (γ·r + a + v)`` in units of t(b). Every step the
-controller takes the argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy — with:
+draft length γ emits b·L(α_m, γ) tokens, L = (1 − α^(γ+1)) / (1 − α), and costs ``d_m(b, γ) + t_v(b, γ+1)``:
+the proposer's drafting (its catch-up on unseen tokens plus γ draft steps) and one target forward over γ+1 tokens.
+Its speed relative to plain decoding is ``L / (d + v)`` in units of t(b). Every step the controller takes the
+argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy — with:
 
-* **running estimates**: t(b), t_v(b, k) and d_m(b) start from the start-up calibration (`calibrate`) and are
-  replaced by what the steps themselves measure (a low quantile of the last `window` samples per batch size: on a
-  shared machine other processes only ever add time); α_m is an exponential average of per-round acceptance;
+* **running estimates**: t(b), t_v(b, k) and d_m(b, γ) start from the start-up calibration (`calibrate`) and are
+  replaced by what the steps themselves measure (a low quantile of the last `window` samples per batch size and
+  length: on a shared machine other processes only ever add time; the lengths no step has measured move with the
+  one that was); α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens;
 * **hysteresis**: a different choice must beat the current one by `hysteresis` (a proposer with its own KV cache
   pays a catch-up on every token it missed when it is switched back in, and a flapping policy pays it often);
 * **probes**: a share `probe` of the steps runs the option that has gone longest without a measurement — plain
   decoding included — so a drafter that improves (it is trained while the job runs) or a machine that got slower
   is noticed. Only options that could change the choice are probed: a proposer must beat the best prediction
-  with an acceptance `probe_optimism` above its estimate. Options never measured at all and without a calibration are probed first. Probes run only at batch
-  sizes up to `probe_max_batch`: the long tail is where speculation can pay, and a probe burst at a full step batch
-  (384 rows in tiny-local) verifies γ+1 tokens per row for ~1.3 accepted, at the batch where a step costs most.
+  with an acceptance `probe_optimism` above its estimate. Options never measured at all and without a calibration
+  are probed first. Probes run only at batch sizes up to `probe_max_batch`: the long tail is where speculation can
+  pay, and a probe burst at a full step batch (384 rows in tiny-local) verifies γ+1 tokens per row for ~1.3
+  accepted, at the batch where a step costs most.
 
 Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
 their draft time is not recorded; their verify time and acceptance are. Nothing here touches the sampling RNG:

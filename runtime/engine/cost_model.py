@@ -1,8 +1,9 @@
 """The cost model of speculative decoding on this machine: expected tokens per round, and step costs per batch size.
 
 A round with draft length γ and per-token acceptance α emits L = (1 − α^(γ+1)) / (1 − α) tokens and costs
-γ·r + a + v plain steps (r: one draft token, a: the proposer's fixed work per round, v: verifying γ+1 tokens).
-`CostModel` holds the measured seconds behind r, a and v at the batch sizes measured, interpolated in between.
+d + v plain steps (d: drafting γ tokens, the proposer's fixed work per round included; v: verifying γ+1 tokens).
+`CostModel` holds the measured seconds behind d and v per batch size and length, interpolated in between (and the
+calibration's per-token r and per-round a, a straight-line fit of d, for reports and the simulator).
 """
 
 from __future__ import annotations
