@@ -15,7 +15,8 @@ Measured: per configuration tokens/s, mean acceptance length, target decode forw
 speedup vs the engine's own AR, wall time of the last 10% of sequences (the tail); the adaptive controller on
 the same workload; HF `generate` batched AR and HF assisted generation at batch 1; the engine at batch 1 (AR
 vs speculative); a memory-bandwidth probe and the batch-1 decode roofline; a per-batch-size sweep (each fixed
-configuration vs the adaptive controller); and the lossless checks' p-values (χ² goodness of fit of short
+configuration vs the adaptive controller, the workload's prompts at most b at a time, rates of the decode steps at
+exactly b); and the lossless checks' p-values (χ² goodness of fit of short
 sequences sampled through the engine against the target's exact distribution, for every proposer, plus greedy
 token equality against AR).
 """
@@ -83,7 +84,7 @@ class Plan:
     prompts: int
     max_new_tokens: int
     sweep_batch_sizes: tuple[int, ...]
-    sweep_tokens: int
+    sweep_prompts_per_slot: int
     bs1_prompts: int
     hf_assisted_prompts: int
     lossless_samples: int
@@ -93,8 +94,8 @@ class Plan:
     @classmethod
     def make(cls, quick: bool, repeats: int | None) -> Plan:
         if quick:
-            return cls(True, repeats or 1, 6, 12, (1, 3), 6, 1, 1, 300, (1, 3), 1)
-        return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 48, 6, 4, 4000, (1, 2, 4, 8, 16), 2)
+            return cls(True, repeats or 1, 6, 12, (1, 3), 2, 1, 1, 300, (1, 3), 1)
+        return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 8, 6, 4, 4000, (1, 2, 4, 8, 16), 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,19 +179,28 @@ def sampling(n: int, max_new_tokens: int, eos: int | None, offset: int = 0) -> l
 
 
 class Timeline:
-    """Wraps a controller; timestamps completions so the tail (last 10% of sequences) can be timed."""
+    """Wraps a controller; timestamps completions so the tail (last 10% of sequences) can be timed, and sums each
+    decode step's tokens, CPU and wall seconds (controller included) by active batch size."""
 
     def __init__(self, inner: Any, engine: RolloutEngine) -> None:
         self.inner = inner
         self.engine = engine
         self.marks: list[tuple[float, int]] = []
+        self.by_batch: dict[int, list[float]] = {}  # batch size -> [tokens, CPU seconds, wall seconds]
+        self._start = (0.0, 0.0)
 
     def decide(self, active_batch_size: int) -> Decision:
-        self.marks.append((time.perf_counter(), self.engine.stats.requests_completed))
+        now = time.perf_counter()
+        self.marks.append((now, self.engine.stats.requests_completed))
+        self._start = (time.process_time(), now)
         return self.inner.decide(active_batch_size)
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
         self.inner.observe(decision, record)
+        row = self.by_batch.setdefault(record.batch_size, [0.0, 0.0, 0.0])
+        row[0] += record.emitted_tokens
+        row[1] += time.process_time() - self._start[0]
+        row[2] += time.perf_counter() - self._start[1]
 
     def stats(self) -> dict[str, Any]:
         inner = getattr(self.inner, "stats", None)
@@ -206,6 +216,12 @@ class RunResult:
     forwards_per_token: float
     tail_seconds: float
     lengths: list[int] = field(default_factory=list)
+    by_batch: dict[int, list[float]] = field(default_factory=dict)  # decode steps: [tokens, CPU s, wall s]
+
+    def rates_at(self, batch: int) -> tuple[float, float]:
+        """(tokens per CPU-second, tokens per second) of the decode steps at exactly this batch size."""
+        tokens, cpu, wall = self.by_batch.get(batch, [0.0, 0.0, 0.0])
+        return (tokens / cpu if cpu > 0 else 0.0), (tokens / wall if wall > 0 else 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -216,8 +232,8 @@ class RunResult:
         return self.tokens / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
 
 
-def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams]
-               ) -> RunResult:
+def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams],
+               max_batch: int | None = None) -> RunResult:
     engine.stats.reset()
     timeline = Timeline(controller, engine)
     engine.controller = timeline
@@ -229,7 +245,7 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
     try:
         cpu = time.process_time()
         start = time.perf_counter()
-        outs = engine.generate(prompts, params)
+        outs = engine.generate(prompts, params, max_batch=max_batch)
         end = time.perf_counter()
         cpu = time.process_time() - cpu
     finally:
@@ -246,7 +262,7 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
     return RunResult(tokens=s.generated_tokens, seconds=end - start, cpu_seconds=cpu,
                      acceptance_length=s.acceptance_length,
                      forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start,
-                     lengths=[len(o.token_ids) for o in outs])
+                     lengths=[len(o.token_ids) for o in outs], by_batch=timeline.by_batch)
 
 
 def med(xs: Sequence[float | None]) -> float | None:
@@ -636,34 +652,40 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
 def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list[str],
               adaptive: AdaptiveController, cal: Calibration, progress: Callable[[str], None],
               advance: Callable[[], None]) -> list[dict[str, Any]]:
-    """Per batch size b: b prompts decode `sweep_tokens` tokens each (EOS ignored, so the batch stays at b).
+    """Per batch size b: the long-tail workload's first `sweep_prompts_per_slot` x b prompts, decoded as the workload
+    is (temperature 1, stop at EOS) with at most b sequences at a time: a finished sequence's slot goes to the next
+    prompt, so the batch stays at b until the queue runs dry. Rates count only the decode steps at exactly b.
 
-    The comparison uses tokens per CPU-second of this process (the clock the policy itself times steps with):
-    on a shared machine wall-clock rates of one configuration swing 2-3x between repeats, more than the 2% the
-    target resolves. Wall-clock rates are reported beside them."""
-    base = workload(max(plan.sweep_batch_sizes))
+    EOS is honoured because text past it is no text a rollout produces: an earlier sweep ignored EOS to hold the
+    batch, and every drafter's acceptance collapsed on what followed, a regime the policy had never seen.
+    The comparison uses tokens per CPU-second of this process (the clock the policy itself times steps with);
+    wall-clock rates are reported beside them."""
+    base = workload(plan.prompts)
     fixed = {name: (m, g) for name, m, g in FIXED_CONFIGS if name in SWEEP_CONFIGS and (m is None or m in available)}
     rows = []
     runs: dict[int, dict[str, list[RunResult]]] = {b: {n: [] for n in [*fixed, "adaptive"]}
                                                    for b in plan.sweep_batch_sizes}
     for r in range(plan.repeats):
         for b in plan.sweep_batch_sizes:
-            prompts = base[:b]
-            params = sampling(b, plan.sweep_tokens, None, offset=10_000 + 100 * r)
+            n = min(len(base), plan.sweep_prompts_per_slot * b)
+            prompts = base[:n]
+            params = sampling(n, plan.max_new_tokens, models.eos_id, offset=10_000 + 100 * r)
             for name, (m, g) in fixed.items():
                 progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} {name}")
-                runs[b][name].append(run_engine(engine, FixedController(m, g), prompts, params))
+                runs[b][name].append(run_engine(engine, FixedController(m, g), prompts, params, max_batch=b))
             progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} adaptive")
-            runs[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params))
+            runs[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params, max_batch=b))
         advance()
     for b in plan.sweep_batch_sizes:
-        cpu = {n: [x.tokens_per_cpu_s for x in v] for n, v in runs[b].items()}
-        wall = {n: [x.tokens_per_s for x in v] for n, v in runs[b].items()}
+        cpu = {n: [x.rates_at(b)[0] for x in v] for n, v in runs[b].items()}
+        wall = {n: [x.rates_at(b)[1] for x in v] for n, v in runs[b].items()}
         cps, tps = {n: med(v) for n, v in cpu.items()}, {n: med(v) for n, v in wall.items()}
         best = max((n for n in fixed), key=lambda n: cps[n] or 0.0)
         best_wall = max((n for n in fixed), key=lambda n: tps[n] or 0.0)
         best_cps, best_tps, ad_cps, ad_tps = cps[best], tps[best_wall], cps["adaptive"] or 0.0, tps["adaptive"] or 0.0
-        rows.append({"batch_size": b, "tokens_per_cpu_s": cps,
+        rows.append({"batch_size": b, "prompts": min(len(base), plan.sweep_prompts_per_slot * b),
+                     "tokens_at_batch": med([x.by_batch.get(b, [0.0])[0] for x in runs[b]["ar"]]),
+                     "tokens_per_cpu_s": cps,
                      "tokens_per_cpu_s_spread": {n: spread(v) for n, v in cpu.items()},
                      "tokens_per_s": tps, "tokens_per_s_spread": {n: spread(v) for n, v in wall.items()},
                      "best_fixed": best,

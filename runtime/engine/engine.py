@@ -297,8 +297,14 @@ class RolloutEngine:
 
     # ---- generation ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 max_batch: int | None = None) -> list[RequestOutput]:
+        """Decode every prompt, at most `max_batch` sequences at a time (default and ceiling: max_batch_size);
+        the rest wait in a queue and join as sequences finish (continuous batching)."""
         plist = self._validate(prompts, params)
+        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch: must be an integer >= 1, got {max_batch!r}")
+        cap = self.max_batch_size if max_batch is None else min(max_batch, self.max_batch_size)
         if self.runner.refresh_if_stale():
             self.refresh_drafter()
         else:
@@ -312,9 +318,9 @@ class RolloutEngine:
         # Last-position hidden state of every prompt prefilled in this call (shared prefill, see `_prefill`).
         self._prompt_hidden: dict[tuple[int, ...], torch.Tensor] = {}
         while queue or active:
-            if queue and len(active) < self.max_batch_size:
+            if queue and len(active) < cap:
                 joiners: list[_Seq] = []
-                while queue and len(active) + len(joiners) < self.max_batch_size:
+                while queue and len(active) + len(joiners) < cap:
                     i = queue.popleft()
                     sp = plist[i]
                     gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else self._rng.getrandbits(63))

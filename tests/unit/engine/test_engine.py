@@ -119,6 +119,12 @@ def test_continuous_batching_and_per_request_seeds(target, draft) -> None:
                         draft_model=draft, max_batch_size=3).generate(prompts, params) for _ in range(2)]
     assert [o.token_ids for o in sd[0]] == [o.token_ids for o in sd[1]]
     assert engine.stats.requests_completed == 11
+    # A per-call cap below max_batch_size: never more active sequences, the same tokens as batches of that size.
+    capped = RolloutEngine(target, max_batch_size=8)
+    assert [o.token_ids for o in capped.generate(prompts, params, max_batch=3)] == [o.token_ids for o in outs]
+    assert max(r.batch_size for r in capped.stats.steps) == 3
+    with pytest.raises(ValueError, match="max_batch"):
+        capped.generate(prompts, params, max_batch=0)
 
 
 def test_length_limit_of_the_context(target) -> None:
