@@ -53,6 +53,15 @@ static inline float rb(float s) { return from_bf16(to_bf16(s)); }  // round thro
 static inline const bf16* P(const torch::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr<at::BFloat16>()); }
 static inline bf16* PM(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); }
 
+// Denormal floats cost a microcode assist per operation on these cores. At long contexts the weights of far
+// positions underflow to denormals in the softmax and in p * V: a 3-token verification at 101 tokens of context
+// took 4.4 ms instead of 2.5. The kernels flush them (FTZ and DAZ) for their duration, restoring the caller's mode.
+struct FlushDenormals {
+  unsigned int saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
 // 16 lanes at a time: the same rounding as `to_bf16` bit for bit (so a loop may split anywhere between vector
 // and scalar code), and an exp accurate to ~1 ulp. Elementwise: a lane's result never depends on its neighbours.
 static inline __m512i rne16(__m512 v) {  // bf16 bits in the low half of each 32-bit lane
@@ -393,6 +402,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_
   bf16* O = PM(out);
   const int64_t* ps = pos.data_ptr<int64_t>();
   at::parallel_for(0, B * nh, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;  // per thread: the mode is a thread's own
     std::vector<float> scores(kv_len);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / nh, h = i % nh, g = h / group;
@@ -424,6 +434,7 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
   // starts[b] + S - 1 (a decode step, S = 1, or the verification of S - 1 drafts); cos/sin [B * S, D]. Each matmul
   // reads its weight once for all rows (up to 8 per pass), and every row is computed exactly as it would be alone:
   // the kernels' accumulation order depends on neither S nor B, so batched decoding is batch-invariant.
+  FlushDenormals ftz;
   const int64_t B = (int64_t)starts.size(), T = h.size(0), S = T / B, H = h.size(1), L = (int64_t)qkv_w.size();
   const int64_t D = cos.size(1), half = D / 2;
   const int64_t qs = nh * D, kvs = nkv * D, I = inter, group = nh / nkv, W3 = qs + 2 * kvs;
