@@ -230,12 +230,18 @@ def test_hysteresis_keeps_the_incumbent_and_catch_up_steps_are_not_timed_as_draf
     assert ctrl.costs.draft_round[method][2][gamma] == pytest.approx(gamma * r * machine.t(2), rel=0.2)
 
 
-def test_probes_refresh_unused_options_at_the_configured_rate() -> None:
-    machine = Machine({"draft_model": 0.9, "ngram": 0.2}, {"draft_model": 0.05, "ngram": 0.0}, seed=6)
+def driven_with_probes(alpha: dict[str, float], seed: int) -> AdaptiveController:
+    """draft_model and n-gram at batch 1 for 1000 steps, 5% probes, priors equal to the machine's acceptance."""
+    machine = Machine(alpha, {"draft_model": 0.05, "ngram": 0.0}, seed=seed)
     methods = ["draft_model", "ngram"]
     ctrl = AdaptiveController(methods, cost_model=calibrated(machine, methods), settings=AdaptiveSettings(probe=0.05),
-                              alpha_priors={"draft_model": 0.9, "ngram": 0.2})
+                              alpha_priors=alpha)
     drive(ctrl, machine, 1, 1000)
+    return ctrl
+
+
+def test_probes_refresh_unused_options_at_the_configured_rate() -> None:
+    ctrl = driven_with_probes({"draft_model": 0.9, "ngram": 0.2}, seed=6)
     stats = ctrl.stats()
     assert 40 <= stats["probe_steps"] <= 60  # 5% of 1000
     assert {"ar", "draft_model"} <= {k.split(":")[0] for k in stats["decisions_by_batch_size"][1]}
@@ -247,11 +253,7 @@ def test_probes_refresh_unused_options_at_the_configured_rate() -> None:
 def test_an_option_that_could_win_is_probed() -> None:
     # n-gram is predicted below draft_model (1.7x vs 2.35x plain), but with acceptance 0.25 higher it would be the
     # best: probed, while the argmax stays on draft_model
-    machine = Machine({"draft_model": 0.75, "ngram": 0.5}, {"draft_model": 0.05, "ngram": 0.0}, seed=7)
-    methods = ["draft_model", "ngram"]
-    ctrl = AdaptiveController(methods, cost_model=calibrated(machine, methods), settings=AdaptiveSettings(probe=0.05),
-                              alpha_priors={"draft_model": 0.75, "ngram": 0.5})
-    drive(ctrl, machine, 1, 1000)
+    ctrl = driven_with_probes({"draft_model": 0.75, "ngram": 0.5}, seed=7)
     assert any(k.startswith("ngram") for k in ctrl.stats()["decisions_by_batch_size"][1])
     assert ctrl.current.method == "draft_model"
 
