@@ -31,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,9 @@ class Plan:
     max_new_tokens: int
     sweep_batch_sizes: tuple[int, ...]
     sweep_prompts_per_slot: int
+    # at least this many prompts per batch size: 8 prompts at batch 1 decode ~140 tokens there, too few to
+    # resolve a few percent between configurations
+    sweep_min_prompts: int
     bs1_prompts: int
     hf_assisted_prompts: int
     lossless_samples: int
@@ -94,8 +98,8 @@ class Plan:
     @classmethod
     def make(cls, quick: bool, repeats: int | None) -> Plan:
         if quick:
-            return cls(True, repeats or 1, 6, 12, (1, 3), 2, 1, 1, 300, (1, 3), 1)
-        return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 8, 6, 4, 4000, (1, 2, 4, 8, 16), 2)
+            return cls(True, repeats or 1, 6, 12, (1, 3), 2, 2, 1, 1, 300, (1, 3), 1)
+        return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 8, 32, 6, 4, 4000, (1, 2, 4, 8, 16), 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -652,7 +656,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
 def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list[str],
               adaptive: AdaptiveController, cal: Calibration, progress: Callable[[str], None],
               advance: Callable[[], None]) -> list[dict[str, Any]]:
-    """Per batch size b: the long-tail workload's first `sweep_prompts_per_slot` x b prompts, decoded as the workload
+    """Per batch size b: the long-tail workload's first max(`sweep_prompts_per_slot` x b, `sweep_min_prompts`)
+    prompts, decoded as the workload
     is (temperature 1, stop at EOS) with at most b sequences at a time: a finished sequence's slot goes to the next
     prompt, so the batch stays at b until the queue runs dry. Rates count only the decode steps at exactly b.
 
@@ -665,16 +670,23 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
     rows = []
     runs: dict[int, dict[str, list[RunResult]]] = {b: {n: [] for n in [*fixed, "adaptive"]}
                                                    for b in plan.sweep_batch_sizes}
+    ran: dict[int, Counter[str]] = {b: Counter() for b in plan.sweep_batch_sizes}  # the policy's choices at b
+
+    def size(b: int) -> int:
+        return min(len(base), max(plan.sweep_prompts_per_slot * b, plan.sweep_min_prompts))
+
     for r in range(plan.repeats):
         for b in plan.sweep_batch_sizes:
-            n = min(len(base), plan.sweep_prompts_per_slot * b)
+            n = size(b)
             prompts = base[:n]
             params = sampling(n, plan.max_new_tokens, models.eos_id, offset=10_000 + 100 * r)
             for name, (m, g) in fixed.items():
                 progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} {name}")
                 runs[b][name].append(run_engine(engine, FixedController(m, g), prompts, params, max_batch=b))
             progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} adaptive")
+            before = Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {}))
             runs[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params, max_batch=b))
+            ran[b] += Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {})) - before
         advance()
     for b in plan.sweep_batch_sizes:
         cpu = {n: [x.rates_at(b)[0] for x in v] for n, v in runs[b].items()}
@@ -683,7 +695,7 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
         best = max((n for n in fixed), key=lambda n: cps[n] or 0.0)
         best_wall = max((n for n in fixed), key=lambda n: tps[n] or 0.0)
         best_cps, best_tps, ad_cps, ad_tps = cps[best], tps[best_wall], cps["adaptive"] or 0.0, tps["adaptive"] or 0.0
-        rows.append({"batch_size": b, "prompts": min(len(base), plan.sweep_prompts_per_slot * b),
+        rows.append({"batch_size": b, "prompts": size(b),
                      "tokens_at_batch": med([x.by_batch.get(b, [0.0])[0] for x in runs[b]["ar"]]),
                      "tokens_per_cpu_s": cps,
                      "tokens_per_cpu_s_spread": {n: spread(v) for n, v in cpu.items()},
@@ -694,7 +706,9 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
                                                      if f],
                      "best_fixed_wall": best_wall,
                      "adaptive_vs_best_wall": ad_tps / best_tps if best_tps else None,
-                     "model_choice": label(adaptive.choose(b))})
+                     "model_choice": label(adaptive.choose(b)),
+                     # steps at exactly b per option in the sweep's adaptive runs (probes included)
+                     "adaptive_ran": dict(ran[b].most_common())})
     return rows
 
 
@@ -955,7 +969,8 @@ def main(args: argparse.Namespace) -> int:
         out.print(f"sweep b={row['batch_size']}: best fixed {row['best_fixed']} "
                   f"{row['tokens_per_cpu_s'][row['best_fixed']]:.1f} tok/CPU-s, adaptive "
                   f"{(row['tokens_per_cpu_s']['adaptive'] or 0):.1f} ({(row['adaptive_vs_best'] or 0):.2f}×; "
-                  f"wall {(row['adaptive_vs_best_wall'] or 0):.2f}×)")
+                  f"wall {(row['adaptive_vs_best_wall'] or 0):.2f}×; ran "
+                  f"{', '.join(f'{k} x{n}' for k, n in list(row['adaptive_ran'].items())[:3])})")
     out.print(f"lossless: {'passed' if result['lossless']['passed'] else 'FAILED'} "
               f"p-values {', '.join(f'{k}={v:.3g}' for k, v in result['lossless']['p_values'].items())}")
     out.print(_targets_table(result))

@@ -43,6 +43,9 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     for row in r["sweep"]:
         assert row["best_fixed"] in row["tokens_per_s"] and row["adaptive_vs_best"] > 0
         assert set(row["tokens_per_s_spread"]) == set(row["tokens_per_s"]) and row["adaptive_vs_best_per_repeat"]
+        # what the policy ran at exactly this batch size in the sweep: options the engine has
+        assert row["adaptive_ran"] and all(k == "ar" or k.split(":")[0] in r["proposers"]["available"]
+                                           for k in row["adaptive_ran"])
     # what could explain a different result elsewhere, and the spread of repeats next to each median
     m = r["machine"]
     assert m["threads"] >= 1 and m["engine_dtype"].startswith("torch.") and "load_average_end" in m
