@@ -10,8 +10,11 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   replaced by what the steps themselves measure (a low quantile of the last `window` samples per batch size and
   length: on a shared machine other processes only ever add time; the lengths no step has measured move with the
   one that was); α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens;
-* **hysteresis**: a different choice must beat the current one by `hysteresis` (a proposer with its own KV cache
-  pays a catch-up on every token it missed when it is switched back in, and a flapping policy pays it often);
+* **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice
+  by `hysteresis` (a proposer with its own KV cache pays a catch-up on every token it missed when it is switched
+  back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
+  to catch up, and a rollout's batch is refilled at full size right after a tail that ran speculation, where a
+  held speculative incumbent would cost up to `hysteresis` on every step of the batch's most expensive phase;
 * **probes**: a share `probe` of the steps runs the option that has gone longest without a measurement — plain
   decoding included — so a drafter that improves (it is trained while the job runs) or a machine that got slower
   is noticed. Only options that could change the choice are probed: a proposer must beat the best prediction
@@ -175,7 +178,8 @@ class AdaptiveController:
             return Decision(self.methods[0], self.settings.gamma)
         best = max(options, key=lambda k: options[k][0])
         incumbent = self.current.method if is_speculative(self.current) else None
-        if incumbent in options and options[best][0] < options[incumbent][0] * (1 + self.settings.hysteresis):
+        if best is not None and incumbent in options \
+                and options[best][0] < options[incumbent][0] * (1 + self.settings.hysteresis):
             best = incumbent
         return options[best][1]
 

@@ -80,6 +80,19 @@ def test_argmax_speculates_at_small_batch_and_not_at_large() -> None:
     assert policy(["ngram"], flat, alpha=0.03, max_gamma=1, gamma=1, hysteresis=0.0).decide(1) == Decision("ngram", 1)
 
 
+def test_falling_back_to_plain_decoding_is_not_held_back() -> None:
+    # n-gram at γ=1 (acceptance 0.2): 1.2x plain at batch 1; at batch 2 verifying 2 tokens costs 1.22 plain steps,
+    # 0.98x plain. Entering speculation needs the 5% margin; leaving it for plain decoding does not (it has nothing
+    # to catch up), else the incumbent would cost 2% on every step at batch 2.
+    costs = CostModel(target_step={1: 1.0, 2: 1.0}, verify_step={1: {1: 1.0, 2: 1.0}, 2: {1: 1.0, 2: 1.2245}},
+                      draft_step={"ngram": {1: 0.0, 2: 0.0}})
+    ctrl = policy(["ngram"], costs, alpha=0.2, max_gamma=1, gamma=1)
+    assert ctrl.decide(1) == Decision("ngram", 1)
+    assert ctrl.table(2)["ngram"][0] == pytest.approx(0.98, abs=1e-3)
+    assert ctrl.decide(2) == AR
+    assert ctrl.decide(1) == Decision("ngram", 1)
+
+
 def test_draft_length_grows_with_acceptance() -> None:
     model = memory_bound_model()
     gammas = range(1, 11)
