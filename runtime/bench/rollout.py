@@ -657,9 +657,9 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
               adaptive: AdaptiveController, cal: Calibration, progress: Callable[[str], None],
               advance: Callable[[], None]) -> list[dict[str, Any]]:
     """Per batch size b: the long-tail workload's first max(`sweep_prompts_per_slot` x b, `sweep_min_prompts`)
-    prompts, decoded as the workload
-    is (temperature 1, stop at EOS) with at most b sequences at a time: a finished sequence's slot goes to the next
-    prompt, so the batch stays at b until the queue runs dry. Rates count only the decode steps at exactly b.
+    prompts, decoded as the workload is (temperature 1, stop at EOS) with at most b sequences at a time: a finished
+    sequence's slot goes to the next prompt, so the batch stays at b until the queue runs dry. Rates count only the
+    decode steps at exactly b.
 
     EOS is honoured because text past it is no text a rollout produces: an earlier sweep ignored EOS to hold the
     batch, and every drafter's acceptance collapsed on what followed, a regime the policy had never seen.

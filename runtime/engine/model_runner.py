@@ -95,8 +95,8 @@ class Dense:
     1.5-6x faster on the small builtin models, whose matmuls are too small for oneDNN's per-call overhead; at 40
     rows the two are even.
 
-    CPU float32 (no native bf16: e.g. an AVX2-only EPYC): oneDNN with the weight pre-packed once (laid out for 4
-    rows). Its rows come out bit-identical whatever the row count (F.linear's do not: MKL's one-row GEMV and its
+    CPU float32 (what the engine runs on CPUs without native bf16, e.g. an AVX2-only EPYC): oneDNN with the weight
+    pre-packed once (laid out for 4 rows). Its rows come out bit-identical whatever the row count (F.linear's do not: MKL's one-row GEMV and its
     GEMM round differently), so a plain step and a verification compute every token alike; and MKL's small-M GEMM
     streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one thread, bench-shaped 8-layer
     stacks, ms for 1 / 2 / 3 / 4 / 8 / 16 rows: F.linear 12.4 / 20.4 / 31.2 / 34.0 / 37.6 / 47.4, packed 13.0 /
