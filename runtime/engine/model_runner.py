@@ -100,7 +100,8 @@ class Dense:
     GEMM round differently), so a plain step and a verification compute every token alike; and MKL's small-M GEMM
     streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one thread, bench-shaped 8-layer
     stacks, ms for 1 / 2 / 3 / 4 / 8 / 16 rows: F.linear 12.4 / 20.4 / 31.2 / 34.0 / 37.6 / 47.4, packed 13.0 /
-    15.3 / 22.4 / 21.9 / 27.5 / 35.0. Elsewhere: F.linear.
+    15.3 / 22.4 / 21.9 / 27.5 / 35.0. Elsewhere, and for float32 on CPUs with native bf16 (only the reference
+    dtype of the lossless checks there, where F.linear was measured and tested; the packed path was not): F.linear.
     """
 
     SMALL_ROWS = 16  # up to this many rows: the kernel
@@ -120,7 +121,8 @@ class Dense:
                 self.kernels = kernels
                 self.kweight = cpu_kernels.pack_bf16(weight)
                 self.weight = None  # oneDNN and the kernels each hold their own packed copy
-        elif weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        elif weight.device.type == "cpu" and weight.dtype == torch.float32 and not native_bf16() \
+                and torch.backends.mkldnn.is_available():
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
                 self.weight = None
