@@ -96,10 +96,11 @@ class Dense:
     rows the two are even.
 
     CPU float32 (what the engine runs on CPUs without native bf16, e.g. an AVX2-only EPYC): oneDNN with the weight
-    pre-packed once (laid out for 4 rows). Its rows come out bit-identical whatever the row count (F.linear's do not: MKL's one-row GEMV and its
-    GEMM round differently), so a plain step and a verification compute every token alike; and MKL's small-M GEMM
-    streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one thread, bench-shaped 8-layer
-    stacks, ms for 1 / 2 / 3 / 4 / 8 / 16 rows: F.linear 12.4 / 20.4 / 31.2 / 34.0 / 37.6 / 47.4, packed 13.0 /
+    pre-packed once (laid out for 4 rows). Its rows come out bit-identical whatever the row count (F.linear's do
+    not: MKL's one-row GEMV and its GEMM round differently), so a plain step and a verification compute every token
+    alike; and MKL's small-M GEMM streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one
+    thread, bench-shaped 8-layer stacks, best of 7 while a test run used the other core, ms for 1 / 2 / 3 / 4 / 8 /
+    16 rows: F.linear 12.4 / 20.4 / 31.2 / 34.0 / 37.6 / 47.4, packed 13.0 /
     15.3 / 22.4 / 21.9 / 27.5 / 35.0. Elsewhere, and for float32 on CPUs with native bf16 (only the reference
     dtype of the lossless checks there, where F.linear was measured and tested; the packed path was not): F.linear.
     """

@@ -523,3 +523,19 @@ def test_one_host_transfer_per_decode_step(method: str, temperature: float, targ
     prompts = [[1, 2, 3, 1, 2], [4, 5], [6, 7, 6, 7, 6]]
     engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=12, seed=1))
     assert per_step and set(per_step) == {1}, per_step
+
+
+@pytest.mark.skipif(__import__("specrl.runtime.engine.model_runner", fromlist=["native_bf16"]).native_bf16(),
+                    reason="CPUs with native bf16 keep F.linear for float32 (only the lossless checks' reference)")
+def test_float32_dense_rows_do_not_depend_on_the_row_count() -> None:
+    # On CPUs without native bf16 the engine runs float32 through `Dense`: a row must come out bit-identical alone
+    # and in a batch of any size, else a verification computes a token differently from the plain step it replaces.
+    from specrl.runtime.engine.model_runner import Dense
+
+    torch.manual_seed(0)
+    for k, n in ((64, 128), (128, 384), (512, 1536)):
+        dense = Dense(torch.randn(n, k), torch.randn(n))
+        x = torch.randn(40, k)
+        alone = torch.cat([dense(x[i:i + 1]) for i in range(40)])
+        for m in (2, 3, 5, 16, 40):
+            assert torch.equal(dense(x[:m]), alone[:m]), (k, n, m)
