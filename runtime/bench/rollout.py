@@ -210,6 +210,10 @@ class Timeline:
         inner = getattr(self.inner, "stats", None)
         return inner() if callable(inner) else {}
 
+    def warm_proposers(self) -> Any:
+        warm = getattr(self.inner, "warm_proposers", None)
+        return warm() if callable(warm) else list(self.engine.proposers)
+
 
 @dataclass
 class RunResult:

@@ -249,6 +249,18 @@ class AdaptiveController:
         self._clock.start()
         return decision
 
+    def warm_proposers(self) -> list[str]:
+        """The proposers the engine prefills on admission: the one running and the argmax at batch 1 (the tail,
+        which every sequence reaches); before any estimate, all of them (each is probed first). The rest catch up
+        on a sequence's prompt when a probe or a switch first runs them."""
+        if not self.settings.adaptive:
+            return self.methods[:1]
+        if self.costs is None:
+            return list(self.methods)
+        tail = self.table(1)
+        best = tail[max(tail, key=lambda k: tail[k][0])][1].method if tail else None
+        return list(dict.fromkeys(m for m in (self.current.method, best) if m))
+
     # -- estimates -------------------------------------------------------------------------------------------
 
     def _sample(self, key: tuple, x: float, seed: float | None) -> float:

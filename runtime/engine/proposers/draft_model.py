@@ -3,7 +3,8 @@
 Drafts are *sampled* from the draft's processed distribution q (same temperature/top-k/top-p as the request)
 and q is returned, so the verifier can accept with min(1, p/q). The draft cache lags the sequence after
 all-accepted steps and AR steps; `propose` first catches up on every token the draft has not seen (a ragged,
-right-padded forward), then drafts gamma tokens one forward at a time.
+right-padded forward), then drafts gamma tokens one forward at a time. A drafter the controller does not expect to
+run is not prefilled on admission (`Controller.warm_proposers`): that catch-up then starts at the prompt.
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ class DraftModelProposer(Proposer):
             self.lens[slot0 + b] = n
 
     def copy_prefix(self, src: list[int], dst: list[int], lens: list[int]) -> None:
-        # A source holds at least its prompt (prefilled on admission; `truncate` never cuts below it).
-        self.cache.copy_slots(src, dst, max(lens, default=0))
-        for d, n in zip(dst, lens):
+        # A source prefilled on admission holds at least its prompt (`truncate` never cuts below it); one that was
+        # not (a cold drafter) holds what it has caught up on so far, maybe nothing: the rest is caught up later.
+        held = [min(self.lens[s], n) for s, n in zip(src, lens)]
+        if max(held, default=0) > 0:
+            self.cache.copy_slots(src, dst, max(held))
+        for d, n in zip(dst, held):
             self.lens[d] = n
 
     def truncate(self, target_lens: list[int]) -> None:

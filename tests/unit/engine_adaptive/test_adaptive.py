@@ -362,3 +362,21 @@ def test_verify_cost_never_extrapolates_below_a_plain_step():
     assert noisy.v(4, 6) == noisy.v(4, 8) == pytest.approx(1.681)  # not 0: the last segment is not extended downhill
     cheap = CostModel(target_step={1: 1.0}, verify_step={1: {5: 0.7}}, draft_step={"ngram": {1: 0.0}})
     assert cheap.v(1, 4) == 1.0
+
+
+def test_warm_proposers_are_the_running_one_and_the_tail_choice() -> None:
+    # The engine prefills only these on admission; the others catch up from the prompt when first run.
+    model = memory_bound_model()
+    assert AdaptiveController(["draft_model", "ngram"]).warm_proposers() == ["draft_model", "ngram"]  # unmeasured
+    ctrl = AdaptiveController(["draft_model", "ngram"], cost_model=model, alpha_priors={"draft_model": 0.85,
+                              "ngram": 0.2}, settings=AdaptiveSettings(probe=0.0))
+    assert ctrl.decide(64) == AR  # plain decoding runs at a full batch; the tail will want the drafter
+    assert ctrl.warm_proposers() == ["draft_model"]
+    ctrl.alpha["ngram"] = 1.0  # a free drafter accepting everything wins the tail, the running one stays warm
+    ctrl._tables.clear()
+    ctrl.current = Decision("draft_model", 4)
+    assert ctrl.warm_proposers() == ["draft_model", "ngram"]
+    assert policy(["draft_model", "ngram"], model, toggle=False, draft_length=False,
+                  strategy=False).warm_proposers() == ["draft_model"]
+    assert FixedController(None).warm_proposers() == ()
+    assert FixedController("ngram", 3).warm_proposers() == ("ngram",)
