@@ -188,8 +188,12 @@ def test_a_cold_drafter_catches_up_from_the_prompt(method: str, target, draft, m
     prefills: list[int] = []
     cls = type(RolloutEngine(target, SpeculativeConfig(method=method), draft_model=draft).proposers[method])
     original = cls.prefill
-    monkeypatch.setattr(cls, "prefill", lambda self, slot0, inp, lens: (prefills.append(len(lens)),
-                                                                        original(self, slot0, inp, lens)))
+
+    def counted(self: Any, slot0: int, inp: torch.Tensor, lens: list[int]) -> None:
+        prefills.append(len(lens))
+        original(self, slot0, inp, lens)
+
+    monkeypatch.setattr(cls, "prefill", counted)
     ctl = _ColdStart(method)
     engine = RolloutEngine(target, SpeculativeConfig(method=method, extra_methods=("ngram",)), draft_model=draft,
                            max_batch_size=3, controller=ctl)
