@@ -154,9 +154,7 @@ class AdaptiveController:
 
     def table(self, batch: int) -> dict[str | None, tuple[float, Decision]]:
         """Per option (None: plain decoding), its predicted speed relative to plain decoding and its best γ."""
-        # Above 16 sequences one table serves an eighth of an octave (~9%): costs are interpolated in log(b), and a
-        # full-step batch shrinks by a few sequences per step, which would recompute the table at every step.
-        key = batch if batch <= 16 else 16 + round(8 * math.log2(batch / 16))
+        key = self._table_key(batch)
         cached = self._tables.get(key)
         if cached is not None and self.steps - cached[0] < self.settings.refresh:
             return cached[1]
@@ -170,6 +168,12 @@ class AdaptiveController:
                     out[m] = (s, Decision(m, g))
         self._tables[key] = (self.steps, out)
         return out
+
+    @staticmethod
+    def _table_key(batch: int) -> int:
+        # Above 16 sequences one table serves an eighth of an octave (~9%): costs are interpolated in log(b), and a
+        # full-step batch shrinks by a few sequences per step, which would recompute the table at every step.
+        return batch if batch <= 16 else 16 + round(8 * math.log2(batch / 16))
 
     def choose(self, batch: int) -> Decision:
         """The argmax with hysteresis (no probes): what the policy exploits at this batch size."""
@@ -264,11 +268,16 @@ class AdaptiveController:
     # -- estimates -------------------------------------------------------------------------------------------
 
     def _sample(self, key: tuple, x: float, seed: float | None) -> float:
-        """Add one timing sample; the estimate is a low quantile of the window (seeded by the calibration)."""
+        """Add one timing sample and return the new estimate: from two samples on, a low quantile of the last
+        `window`; after one, its mean with the seed (the calibration's value). The seed does not stay in the
+        window: a calibration timed on short sequences (attention grows with the context) held a wrong cost for a
+        dozen steps of the workload when it counted as three samples."""
         window = self._samples.get(key)
         if window is None:
-            window = self._samples[key] = deque([seed] * 3 if seed is not None else [], maxlen=self.settings.window)
+            window = self._samples[key] = deque(maxlen=self.settings.window)
         window.append(x)
+        if len(window) == 1 and seed is not None:
+            return (seed + x) / 2
         return low_percentile(window, 0.25)
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
@@ -276,6 +285,26 @@ class AdaptiveController:
         b = record.batch_size
         if b < 1 or record.seconds <= 0:
             return
+        before = self._predicted_seconds(record, b)
+        self._learn(record, b)
+        after = self._predicted_seconds(record, b)
+        # the table of this batch size is recomputed at once when what just ran costs 10% more or less than it
+        # was predicted to (else a wrong choice would run until the next refresh)
+        if before and after and abs(after / before - 1) > 0.1:
+            self._tables.pop(self._table_key(b), None)
+
+    def _predicted_seconds(self, record: StepRecord, b: int) -> float | None:
+        """The current estimate of the step that `record` ran: t(b), or d_m(b, γ) + t_v(b, γ+1)."""
+        c = self.costs
+        if c is None:
+            return None
+        if not record.method or record.gamma < 1:
+            return c.t_ar(b)
+        if not c.knows(record.method):
+            return None
+        return c.round_cost(record.method, record.gamma, b) * c.t_ar(b)
+
+    def _learn(self, record: StepRecord, b: int) -> None:
         # what ran (the engine decodes plainly when every row ends within one token, and caps γ at the budget)
         decision = Decision(record.method, record.gamma) if record.method and record.gamma > 0 else AR
         method = decision.method
