@@ -396,7 +396,7 @@ def test_a_choice_that_runs_slower_than_predicted_is_left_within_a_few_steps() -
     first = ctrl.decide(4)
     assert first.method == "quantized_self"
     ctrl.observe(first, machine.step(first, 4))
-    ran = [first.method]
+    ran: list[str | None] = [first.method]
     for _ in range(19):
         d = ctrl.decide(4)
         ctrl.observe(d, machine.step(d, 4))
