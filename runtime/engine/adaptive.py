@@ -7,9 +7,12 @@ Its speed relative to plain decoding is ``L / (d + v)`` in units of t(b). Every 
 argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy — with:
 
 * **running estimates**: t(b), t_v(b, k) and d_m(b, γ) start from the start-up calibration (`calibrate`) and are
-  replaced by what the steps themselves measure (a low quantile of the last `window` samples per batch size and
-  length: on a shared machine other processes only ever add time; the lengths no step has measured move with the
-  one that was); α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens;
+  replaced by what the steps themselves measure once two steps have (a low quantile of the last `window` samples
+  per batch size and length: on a shared machine other processes only ever add time; the lengths no step has
+  measured move with the one that was); α_m is accepted / tried draft tokens over an exponential window of
+  `alpha_memory` tokens. A step that cost 10% more or less than predicted recomputes its batch size's table at
+  once: the calibration decodes short sequences, and a drafter whose cost grows with the context looks cheaper
+  there than it is in the tail;
 * **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice
   by `hysteresis` (a proposer with its own KV cache pays a catch-up on every token it missed when it is switched
   back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
@@ -24,7 +27,9 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   accepted, at the batch where a step costs most.
 
 Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
-their draft time is not recorded; their verify time and acceptance are. Nothing here touches the sampling RNG:
+their draft time is not recorded; their verify time and acceptance are. The engine prefills on admission only the
+drafters this policy names warm (`warm_proposers`: the one running and the argmax at batch 1); the others catch up
+from the prompt when a probe or a switch first runs them. Nothing here touches the sampling RNG:
 the choice never changes the distribution of the sampled tokens (every option is lossless).
 """
 
