@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,6 +288,36 @@ def paired(a: Sequence[RunResult], b: Sequence[RunResult]) -> dict[str, Any]:
     """Median and [min, max] of the per-repeat ratio a/b of tokens/s."""
     ratios = [x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b) if y.tokens_per_s > 0]
     return {"ratio": med(ratios), "spread": spread(ratios), "ratios": [round(r, 3) for r in ratios]}
+
+
+# batch-size buckets of the common token mix (`mix_rates`): powers of two, the last one up to the step batch
+MIX_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 3), (4, 7), (8, 15), (16, BATCH))
+
+
+def mix_rates(runs: Mapping[str, Sequence[RunResult]], reference: str) -> dict[str, Any]:
+    """Tokens per CPU-second of every configuration on one common token mix: the `reference` runs' decode tokens
+    per batch-size bucket (`MIX_BUCKETS`), each bucket timed at the configuration's own rate there, pooled over its
+    repeats. Only the buckets every configuration reached count (`buckets`).
+
+    Why: each configuration samples different texts (every one is lossless: the same distribution, not the same
+    draws), so each run has its own long tail, and with 64 prompts its few longest responses decide how long a run
+    spends at batch 1-2, the slowest tokens of all. On the AMD EPYC the adaptive policy's whole-workload ratio to
+    the best fixed configuration swung from 0.67 to 0.98 between two repeats of the same code while their rates
+    per batch size agreed within a few percent; on a common mix the comparison is between the configurations, not
+    between their tails."""
+    totals: dict[str, list[tuple[float, float]]] = {}
+    for name, rs in runs.items():
+        totals[name] = [(sum(x.by_batch.get(b, [0.0, 0.0])[0] for x in rs for b in range(lo, hi + 1)),
+                         sum(x.by_batch.get(b, [0.0, 0.0, 0.0])[1] for x in rs for b in range(lo, hi + 1)))
+                        for lo, hi in MIX_BUCKETS]
+    common = [i for i in range(len(MIX_BUCKETS)) if all(t[i][0] > 0 and t[i][1] > 0 for t in totals.values())]
+    mix = [totals[reference][i][0] / max(len(runs[reference]), 1) for i in common]
+    rates = {}
+    for name, t in totals.items():
+        seconds = sum(m * t[i][1] / t[i][0] for m, i in zip(mix, common))
+        rates[name] = sum(mix) / seconds if seconds > 0 else None
+    return {"tokens_per_cpu_s": rates, "buckets": [list(MIX_BUCKETS[i]) for i in common],
+            "reference_tokens": [round(m, 1) for m in mix]}
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float] | None:
@@ -573,6 +603,21 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     adaptive_summary["speedup_vs_ar_per_repeat"] = paired(runs["adaptive"], runs["ar"])
     best_name = max((c for c in config_rows), key=lambda c: c["tokens_per_s"] or 0.0)["name"]
     adaptive_summary["vs_best_fixed"] = {"best_fixed": best_name, **paired(runs["adaptive"], runs[best_name])}
+    # the same comparisons on the plain-decoding runs' token mix (see `mix_rates`), per repeat and pooled
+    pooled = mix_rates(runs, "ar")
+    per_repeat = [mix_rates({n: rs[r:r + 1] for n, rs in runs.items()}, "ar")["tokens_per_cpu_s"]
+                  for r in range(plan.repeats)]
+    fixed_rates = {n: v for n, v in pooled["tokens_per_cpu_s"].items() if n != "adaptive" and v}
+    mix_best = max(fixed_rates, key=lambda n: fixed_rates[n], default="ar")
+
+    def mix_ratio(a: str, b: str) -> dict[str, Any]:
+        ratios = [x[a] / x[b] for x in per_repeat if x[a] and x[b]]
+        ra, rb = pooled["tokens_per_cpu_s"][a], pooled["tokens_per_cpu_s"][b]
+        return {"ratio": ra / rb if ra and rb else None, "ratios": [round(r, 3) for r in ratios],
+                "spread": spread(ratios)}
+
+    common_mix = {**pooled, "best_fixed": mix_best, "adaptive_vs_ar": mix_ratio("adaptive", "ar"),
+                  "adaptive_vs_best_fixed": mix_ratio("adaptive", mix_best)}
 
     sweep = run_sweep(plan, engine, models, available, adaptive, cal, progress, advance)
     phase("sweep")
@@ -639,6 +684,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         "calibration": cal.summary(),
         "configs": config_rows,
         "adaptive": {**adaptive_summary, "controller": adaptive.stats()},
+        "common_mix": common_mix,
         "engine_bs1": {"ar_tokens_per_s": engine_ar_bs1, "sd_tokens_per_s": med(bs1["sd"]),
                        "sd_method": sd_method, "sd_gamma": sd_gamma,
                        "adaptive_tokens_per_s": med(bs1["adaptive"]),
@@ -722,12 +768,13 @@ def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
     ar = next((c["tokens_per_s"] for c in result["configs"] if c["name"] == "ar"), None)
     values = {
-        "adaptive_vs_engine_ar": ratio(result["adaptive"]["tokens_per_s"], ar),
+        "adaptive_vs_engine_ar": result["common_mix"]["adaptive_vs_ar"]["ratio"],
         "engine_ar_vs_hf_batched_ar": ratio(ar, result["hf"]["ar_batched_tokens_per_s"]),
         "engine_sd_bs1_vs_hf_assisted": ratio(result["engine_bs1"]["sd_tokens_per_s"],
                                               result["hf"]["assisted_bs1_tokens_per_s"]),
         "roofline_fraction_bs1": result["roofline_fraction_bs1"],
-        "adaptive_vs_best_fixed": result["adaptive"]["vs_best_fixed"]["ratio"],
+        # on the common token mix (`mix_rates`): the raw whole-workload ratios stay in `adaptive`
+        "adaptive_vs_best_fixed": result["common_mix"]["adaptive_vs_best_fixed"]["ratio"],
         "adaptive_vs_best_fixed_per_batch_size": min((row["adaptive_vs_best"] or 0.0 for row in result["sweep"]),
                                                      default=None),
     }
@@ -969,6 +1016,12 @@ def main(args: argparse.Namespace) -> int:
               f"{result['hf']['ar_batched_tokens_per_s']:.1f}, HF assisted bs1 "
               f"{(result['hf']['assisted_bs1_tokens_per_s'] or 0):.1f} tok/s; roofline bs1 "
               f"{result['roofline']['tokens_per_s']:.0f} tok/s ({result['roofline']['bandwidth_gb_s']:.1f} GB/s)")
+    mix = result["common_mix"]
+    out.print(f"on the plain runs' token mix (batch buckets {mix['buckets']}): adaptive "
+              f"{(mix['tokens_per_cpu_s']['adaptive'] or 0):.1f} tok/CPU-s, "
+              f"{(mix['adaptive_vs_ar']['ratio'] or 0):.2f}× plain, "
+              f"{(mix['adaptive_vs_best_fixed']['ratio'] or 0):.2f}× the best fixed ({mix['best_fixed']}); "
+              f"per repeat {mix['adaptive_vs_best_fixed']['ratios']}")
     for row in result["sweep"]:
         out.print(f"sweep b={row['batch_size']}: best fixed {row['best_fixed']} "
                   f"{row['tokens_per_cpu_s'][row['best_fixed']]:.1f} tok/CPU-s, adaptive "

@@ -55,6 +55,9 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     assert all(c["tokens_per_s_spread"][0] - 1e-3 <= c["tokens_per_s"] <= c["tokens_per_s_spread"][1] + 1e-3
                for c in r["configs"])
     assert r["adaptive"]["vs_best_fixed"]["best_fixed"] in names and r["adaptive"]["vs_best_fixed"]["ratio"] > 0
+    mix = r["common_mix"]
+    assert mix["best_fixed"] in names and mix["buckets"] and len(mix["reference_tokens"]) == len(mix["buckets"])
+    assert r["targets"]["adaptive_vs_best_fixed"]["value"] == mix["adaptive_vs_best_fixed"]["ratio"] > 0
 
 
 def test_bench_helpers() -> None:
@@ -71,3 +74,26 @@ def test_bench_helpers() -> None:
     engine = RolloutEngine(model, max_batch_size=1, dtype="float32")
     # every weight once, one embedding row, plus the tied lm_head read in full
     assert engine_bytes_per_step(engine) == 4 * (params - 100 * 16 + 16 + 100 * 16)
+
+
+def test_common_mix_compares_rates_not_tails() -> None:
+    # Two configurations with the same rate at every batch size; one drew a longer tail (more tokens at batch 1,
+    # the slowest). Raw tokens/s tells them apart; on the common mix they are equal. A bucket one of them never
+    # reached does not count.
+    from specrl.runtime.bench.rollout import RunResult, mix_rates
+
+    def run(by_batch: dict[int, list[float]]) -> RunResult:
+        tokens = sum(v[0] for v in by_batch.values())
+        cpu = sum(v[1] for v in by_batch.values())
+        return RunResult(tokens=int(tokens), seconds=cpu, cpu_seconds=cpu, acceptance_length=None,
+                         forwards_per_token=1.0, tail_seconds=0.0, by_batch=by_batch)
+
+    short = run({1: [10, 0.2, 0.2], 16: [1000, 2.0, 2.0]})
+    long = run({1: [60, 1.2, 1.2], 16: [1000, 2.0, 2.0]})
+    fast = run({1: [10, 0.1, 0.1], 16: [1000, 1.0, 1.0], 4: [40, 0.1, 0.1]})
+    assert long.tokens_per_s < 0.8 * short.tokens_per_s
+    out = mix_rates({"ar": [short], "same_rates": [long], "twice_as_fast": [fast]}, "ar")
+    rates = out["tokens_per_cpu_s"]
+    assert rates["same_rates"] == rates["ar"] == 1010 / 2.2
+    assert rates["twice_as_fast"] == 2 * rates["ar"]
+    assert out["buckets"] == [[1, 1], [16, 16]] and out["reference_tokens"] == [10, 1000]
