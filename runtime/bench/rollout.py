@@ -305,10 +305,11 @@ def mix_rates(runs: Mapping[str, Sequence[RunResult]], reference: str) -> dict[s
     the best fixed configuration swung from 0.67 to 0.98 between two repeats of the same code while their rates
     per batch size agreed within a few percent; on a common mix the comparison is between the configurations, not
     between their tails."""
-    totals: dict[str, list[tuple[float, float]]] = {}
+    none = [0.0, 0.0, 0.0]
+    totals: dict[str, list[tuple[float, float]]] = {}  # per bucket: (tokens, CPU seconds)
     for name, rs in runs.items():
-        totals[name] = [(sum(x.by_batch.get(b, [0.0, 0.0])[0] for x in rs for b in range(lo, hi + 1)),
-                         sum(x.by_batch.get(b, [0.0, 0.0, 0.0])[1] for x in rs for b in range(lo, hi + 1)))
+        totals[name] = [(sum(x.by_batch.get(b, none)[0] for x in rs for b in range(lo, hi + 1)),
+                         sum(x.by_batch.get(b, none)[1] for x in rs for b in range(lo, hi + 1)))
                         for lo, hi in MIX_BUCKETS]
     common = [i for i in range(len(MIX_BUCKETS)) if all(t[i][0] > 0 and t[i][1] > 0 for t in totals.values())]
     mix = [totals[reference][i][0] / max(len(runs[reference]), 1) for i in common]
