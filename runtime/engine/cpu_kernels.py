@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -515,6 +516,7 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16);
+  m.def("linear", &linear_bf16);  // the name the runner calls for either dtype
   m.def("decode_layers", &decode_layers);
   m.def("pack_q4", &pack_q4);
   m.def("attend", &attend);
@@ -523,11 +525,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 _lock = threading.Lock()
-_module: Any = None
-_tried = False
+_built: dict[str, Any] = {}  # extension name -> its module, or None where it did not build
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -536,38 +537,48 @@ def _cpu_flags() -> str:
 
 
 def _cpu_has_avx512_bf16() -> bool:
-    return "avx512_bf16" in _cpu_flags().split()
+    return "avx512_bf16" in cpu_flags().split()
+
+
+def toolchain() -> bool:
+    """The compiler and build tool `torch.utils.cpp_extension` needs are on PATH."""
+    return all(shutil.which(tool) for tool in ("c++", "ninja"))
 
 
 def buildable() -> bool:
     """Where the kernels must build: the CPU has AVX512-BF16 and the toolchain torch needs is on PATH."""
-    return _cpu_has_avx512_bf16() and all(shutil.which(tool) for tool in ("c++", "ninja"))
+    return _cpu_has_avx512_bf16() and toolchain()
+
+
+def build_once(name: str, source: str, supported: Callable[[], bool]) -> Any:
+    """Extension `name` compiled from `source` (once per process; cached on disk per machine), or None where the CPU
+    lacks what `supported` checks, SPECRL_CPU_KERNELS=0, or the build fails (then the engine runs ATen)."""
+    with _lock:
+        if name in _built:
+            return _built[name]
+        module = None
+        if os.environ.get("SPECRL_CPU_KERNELS", "1") != "0" and supported():
+            try:
+                from torch.utils.cpp_extension import load_inline
+
+                # -march=native code: one build folder per instruction-set flags, so a home folder shared between
+                # different CPUs never loads a binary compiled for another one
+                cpu = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
+                root = Path(os.environ.get("SPECRL_KERNEL_CACHE", Path.home() / ".cache" / "specrl" / "kernels"))
+                build = root / cpu
+                build.mkdir(parents=True, exist_ok=True)
+                module = load_inline(name, cpp_sources=source, functions=None, extra_cflags=["-O3", "-march=native"],
+                                     build_directory=str(build), verbose=False)
+            except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the ATen path is the fallback
+                logging.getLogger(__name__).warning("CPU kernels %s not built (%s: %s); the engine uses ATen", name,
+                                                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        _built[name] = module
+        return module
 
 
 def load() -> Any:
-    """The compiled module, or None where it cannot be built here (then the ATen path runs)."""
-    global _module, _tried
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        if os.environ.get("SPECRL_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            # -march=native code: one build folder per instruction-set flags, so a home folder shared between
-            # different CPUs never loads a binary compiled for another one
-            cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:12]
-            build = Path(os.environ.get("SPECRL_KERNEL_CACHE", Path.home() / ".cache" / "specrl" / "kernels")) / cpu
-            build.mkdir(parents=True, exist_ok=True)
-            _module = load_inline("specrl_decode_kernels", cpp_sources=_SOURCE, functions=None,
-                                  extra_cflags=["-O3", "-march=native"], build_directory=str(build), verbose=False)
-        except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the ATen path is the fallback
-            logging.getLogger(__name__).warning("batch-1 CPU kernels not built (%s: %s); the engine uses ATen",
-                                                type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            _module = None
-        return _module
+    """The compiled bfloat16 module, or None where it cannot be built here (then the ATen path runs)."""
+    return build_once("specrl_decode_kernels", _SOURCE, _cpu_has_avx512_bf16)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, cpu_kernels_f32
 from .hf_layout import Attention, Decoder, config_of, output_embeddings
 from .kv_cache import StaticKVCache
 
@@ -122,17 +122,21 @@ class Dense:
                 self.kernels = kernels
                 self.kweight = cpu_kernels.pack_bf16(weight)
                 self.weight = None  # oneDNN and the kernels each hold their own packed copy
-        elif weight.device.type == "cpu" and weight.dtype == torch.float32 and not native_bf16() \
-                and torch.backends.mkldnn.is_available():
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
-                self.weight = None
-            except (RuntimeError, NotImplementedError):  # a torch without oneDNN's linear: F.linear
-                self.packed = None
+        elif weight.device.type == "cpu" and weight.dtype == torch.float32:
+            kernels = cpu_kernels_f32.load() if cpu_kernels_f32.fits(weight) else None
+            if kernels is not None:
+                self.kernels = kernels
+                self.kweight = cpu_kernels_f32.pack_f32(weight)
+            if not native_bf16() and torch.backends.mkldnn.is_available():
+                try:
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
+                    self.weight = None
+                except (RuntimeError, NotImplementedError):  # a torch without oneDNN's linear: F.linear
+                    self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.numel() <= self.SMALL_ROWS * x.shape[-1]:
-            return self.kernels.linear_bf16(x, self.kweight, self.bias, self.out_features)
+            return self.kernels.linear(x, self.kweight, self.bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
@@ -304,7 +308,8 @@ class TransformerRunner:
     # policy, one thread: 0.08 / 0.15 / 0.34 / 0.67 ms at batch 1 / 2 / 8 / 16 where the per-op path takes 0.34 /
     # 0.46 / 0.94 / 1.49 ms.
     FUSED_ROWS = 64
-    _fused: tuple[list, ...] | None = None  # cpu_kernels.decode_layers' weights (set by refresh where it runs)
+    _fused: tuple[list, ...] | None = None  # decode_layers' weights (set by refresh where the kernels run)
+    _kernels: Any = None  # cpu_kernels (bfloat16) or cpu_kernels_f32 (float32): the module `_fused` is for
 
     def __init__(self, model: nn.Module, quantize: int = 0, max_positions: int | None = None,
                  dtype: str | torch.dtype | None = None) -> None:
@@ -402,9 +407,10 @@ class TransformerRunner:
     def _fused_decode_args(self) -> tuple[list, ...] | None:
         """The per-layer weights `cpu_kernels.decode_layers` takes, where it can run this model: bf16 Dense
         layers the kernel fits, no q/k norm, SiLU MLP, head_dim within the kernel's buffers."""
-        if not self.layers or self.head_dim > 512 or self.head_dim % 2 or self.dtype != torch.bfloat16 \
-                or cpu_kernels.load() is None:
+        kernels = {torch.bfloat16: cpu_kernels, torch.float32: cpu_kernels_f32}.get(self.dtype)
+        if not self.layers or self.head_dim > 512 or self.head_dim % 2 or kernels is None or kernels.load() is None:
             return None
+        self._kernels = kernels.load()
 
         def fused(m: Callable[[torch.Tensor], torch.Tensor]) -> bool:
             return isinstance(m, (Dense, Int4Dense)) and m.kernels is not None
@@ -488,7 +494,7 @@ class TransformerRunner:
         half = d // 2
         # Decode and verification forwards (a few tokens per row) share the fused batch-1 step's attention
         # routine, so plain decoding and speculation compute identical attention; long prefills use SDPA.
-        attend = cpu_kernels.load().attend if self._fused is not None and t <= self.FEW_TOKENS else None
+        attend = self._kernels.attend if self._fused is not None and t <= self.FEW_TOKENS else None
         for i, w in enumerate(self.layers[: num_layers or self.num_layers]):
             a = h if w.in_norm is None else F.rms_norm(h, (self.hidden_size,), w.in_norm, self.eps)
             qkv = w.qkv(a)
@@ -519,7 +525,7 @@ class TransformerRunner:
         hn = F.rms_norm(h, (self.hidden_size,), self.final_norm, self.eps)
         head = self.lm_head
         if row_invariant and isinstance(head, Dense) and head.kernels is not None:
-            return head.kernels.linear_bf16(hn, head.kweight, head.bias, head.out_features).float(), hn
+            return head.kernels.linear(hn, head.kweight, head.bias, head.out_features).float(), hn
         return head(hn).float(), hn
 
     def prefill(self, cache: StaticKVCache, slot0: int, tokens: torch.Tensor, lens: list[int],
@@ -560,7 +566,7 @@ class TransformerRunner:
             else:
                 pos = (torch.tensor(starts)[:, None] + torch.arange(t)).view(-1)
                 cos, sin = self.cos_table[pos], self.sin_table[pos]
-            cpu_kernels.load().decode_layers(
+            self._kernels.decode_layers(
                 h, *(col[:n] for col in self._fused), cache.k[:n], cache.v[:n], slot0, starts, cos, sin,
                 self.num_heads, self.num_kv_heads, self.intermediate, self.eps, self.scaling)
             h = h.view(b, t, -1)

@@ -1,4 +1,4 @@
-"""The CPU decode kernels (runtime/engine/cpu_kernels.py) against the ATen path they replace: matmuls within one
+"""The CPU decode kernels (runtime/engine/cpu_kernels.py, bfloat16; cpu_kernels_f32.py, float32 on AVX2) against the ATen path they replace: matmuls within one
 bfloat16 rounding of a float32 reference and batch-invariant (a row's result does not depend on the rows computed
 with it), the fused layer stack within rounding of the per-op path (greedy tokens equal) and, batched, bit-identical
 to one sequence at a time, the 4-bit drafter kernel close to its dequantized weights, and quantized_self at batch 1 (where the 4-bit
@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig, cpu_kernels
+from specrl.runtime.engine import (
+    RolloutEngine,
+    SamplingParams,
+    SpeculativeConfig,
+    cpu_kernels,
+    cpu_kernels_f32,
+)
 from specrl.runtime.engine.model_runner import Int4Dense, TransformerRunner
 from specrl.runtime.engine.proposers.draft_model import DraftModelProposer
 
@@ -20,10 +26,47 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
                                    reason="no AVX512-BF16 or no C++ compiler here: the engine runs its ATen path")
 
 
+needs_f32_kernels = pytest.mark.skipif(not cpu_kernels_f32.available(),
+                                       reason="no AVX2/FMA or no C++ compiler here: float32 runs its ATen path")
+
+
 def test_kernels_build_wherever_the_cpu_and_toolchain_allow() -> None:
     # the other tests skip without the kernels: this one keeps a broken build from passing as "not supported here"
     if cpu_kernels.buildable():
         assert cpu_kernels.available(), "AVX512-BF16, c++ and ninja are here, but the kernels did not build"
+    if cpu_kernels_f32.buildable():
+        assert cpu_kernels_f32.available(), "AVX2, FMA, c++ and ninja are here, but the float32 kernels did not build"
+
+
+@needs_f32_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 19])
+def test_linear_f32_is_the_float32_product(rows: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(203, 96, generator=g), torch.randn(203, generator=g), torch.randn(rows, 96, generator=g)
+    y = cpu_kernels_f32.load().linear(x, cpu_kernels_f32.pack_f32(w), b, 203)  # 203 columns: a partial block
+    ref = (x.double() @ w.double().t() + b.double()).float()
+    assert y.dtype == torch.float32 and y.shape == (rows, 203)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@needs_f32_kernels
+def test_linear_f32_rows_do_not_depend_on_the_batch() -> None:
+    # rows go in chunks of 6 over pairs of 8-column blocks (70 columns: a lone partial last block)
+    g = torch.Generator().manual_seed(5)
+    w = cpu_kernels_f32.pack_f32(torch.randn(70, 128, generator=g))
+    x = torch.randn(21, 128, generator=g)
+    k = cpu_kernels_f32.load()
+    alone = torch.cat([k.linear(x[i : i + 1], w, None, 70) for i in range(21)])
+    for rows in (2, 4, 5, 6, 7, 8, 13, 21):
+        assert torch.equal(k.linear(x[:rows], w, None, 70), alone[:rows]), rows
+
+
+def _fused_runner(kind: str, seed: int, dtype: torch.dtype) -> TransformerRunner:
+    if not (cpu_kernels if dtype == torch.bfloat16 else cpu_kernels_f32).available():
+        pytest.skip(f"no {dtype} CPU kernels here")
+    runner = TransformerRunner(make_model(kind, layers=2, hidden=64, seed=seed), dtype=dtype)
+    assert runner._fused is not None
+    return runner
 
 
 @needs_kernels
@@ -33,7 +76,7 @@ def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
     w = torch.randn(200, 96, generator=g).to(torch.bfloat16)
     b = torch.randn(200, generator=g).to(torch.bfloat16)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
-    y = cpu_kernels.load().linear_bf16(x, cpu_kernels.pack_bf16(w), b, 200)
+    y = cpu_kernels.load().linear(x, cpu_kernels.pack_bf16(w), b, 200)
     ref = x.float() @ w.float().t() + b.float()
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
     assert torch.allclose(y.float(), ref, rtol=2 ** -7, atol=1e-3)
@@ -67,13 +110,11 @@ def test_linear_q4_matches_its_dequantized_weights() -> None:
     assert float((y - ref).norm() / ref.norm()) < 0.03  # activations are int8 per group of 32
 
 
-@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fused_decode_step_matches_the_per_op_path(kind: str) -> None:
-    model = make_model(kind, layers=2, hidden=64, seed=3)
-    runner = TransformerRunner(model, dtype=torch.bfloat16)
+def test_fused_decode_step_matches_the_per_op_path(kind: str, dtype: torch.dtype) -> None:
+    runner = _fused_runner(kind, 3, dtype)
     fused = runner._fused
-    assert fused is not None
     runs, fed = [], [5, 9, 2, 14, 7, 7, 3, 11]  # the same tokens through both paths
     for use in (None, fused):
         runner._fused = use
@@ -83,22 +124,22 @@ def test_fused_decode_step_matches_the_per_op_path(kind: str) -> None:
             out = [runner.forward(cache, 0, [4 + i], torch.tensor([[t]]))[0][0, 0].clone() for i, t in enumerate(fed)]
         runs.append((out, cache.k[0][0, :, :12].float().clone()))
     (a, ka), (b, kb) = runs
+    # bfloat16: a few roundings apart; float32: only the order of additions differs
+    rel, tol = (0.02, 2 ** -7) if dtype == torch.bfloat16 else (1e-5, 1e-5)
     for la, lb in zip(a, b):
         err = float((la - lb).abs().max())
-        assert err <= 0.02 * float(la.abs().max()) + 0.05  # a few bf16 roundings
+        assert err <= rel * float(la.abs().max()) + rel * 2.5
         top = la.topk(2).values
         assert int(la.argmax()) == int(lb.argmax()) or float(top[0] - top[1]) <= 2 * err  # only near-ties differ
-    # the first layer's keys (norm, qkv, rotary, cache write) round exactly as the per-op path does
-    assert torch.allclose(ka, kb, rtol=2 ** -7, atol=1e-3)
+    # the first layer's keys (norm, qkv, rotary, cache write) as the per-op path computes them
+    assert torch.allclose(ka, kb, rtol=tol, atol=1e-3 if dtype == torch.bfloat16 else 1e-5)
 
 
-@needs_kernels
-def test_batched_fused_forward_is_each_sequence_alone() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batched_fused_forward_is_each_sequence_alone(dtype: torch.dtype) -> None:
     """B sequences at different lengths, S tokens each (a batched decode step or verification), in one fused call:
     logits and the K/V cache bit-identical to running each sequence by itself."""
-    model = make_model("llama", layers=2, hidden=64, seed=6)
-    runner = TransformerRunner(model, dtype=torch.bfloat16)
-    assert runner._fused is not None
+    runner = _fused_runner("llama", 6, dtype)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (3, 9, 5, 12)]
     for s in (1, 4):

@@ -1,0 +1,376 @@
+"""Float32 decode kernels for CPUs with AVX2 and FMA (no native bfloat16), compiled once per machine.
+
+Why: on such a CPU (an AVX2-only AMD EPYC here) the engine runs float32, and at batch 1 a step of the 27M-parameter
+benchmark policy must stream its 109 MB of weights: 6.6 ms at the 16.7 GB/s one thread reads, but the per-op path
+took ~21 ms (31% of that roofline) — oneDNN's packed small-M GEMM reads the weights at well under the streaming rate,
+a verification of 5 tokens cost ~1.7 plain steps instead of ~1, and ATen dispatches ~12 ops per layer. These are
+the float32 counterparts of `cpu_kernels`' bfloat16 ones, with the same Python-facing functions (`linear`,
+`attend`, `decode_layers`): weights packed once (`pack_f32`: 8 output columns' weights for one input side by side,
+one 32-byte vector), products accumulated in vector lanes (no horizontal sums) over tiles of up to 8 rows, so up to
+8 rows read the weights once; the whole layer stack of a few tokens of a few sequences in one call. Every output is
+the same sequence of fused multiply-adds whatever the batch, so a row's result does not depend on the rows computed
+with it: plain decoding, a verification and any batch composition give bit-identical logits for a sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import cpu_kernels
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+
+static inline const float* P(const torch::Tensor& t) { return t.data_ptr<float>(); }
+static inline float* PM(torch::Tensor& t) { return t.data_ptr<float>(); }
+
+// Far positions' softmax weights underflow to denormals, which cost a microcode assist per operation: flush them
+// (FTZ and DAZ) for the kernels' duration, restoring the caller's mode.
+struct FlushDenormals {
+  unsigned int saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline __m256 exp8(__m256 x) {
+  // e^x = 2^n e^r, n = round(x / ln 2) in [-126, 127] (so 2^n is a normal float built from its exponent bits),
+  // |r| <= ln 2 / 2 (Cody-Waite split of ln 2), e^r by its degree-6 Taylor polynomial (relative error < 2e-7)
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }  // tails as the body
+
+// Weights packed once (`pack_f32`): [ceil(N/8)][K][8]. A tile of MB rows x 2 column blocks keeps 2 MB accumulators
+// in registers (16 ymm: up to 12 accumulators, 2 weights, one broadcast), and every output is the same sequence of
+// FMAs over k whatever MB or M: a row's result does not depend on the rows computed with it. Measured on an
+// AVX2-only EPYC, one thread, the benchmark policy's 8 layers (109 MB): 6.6-8 ms for 1-5 rows (14-16 GB/s, the
+// streaming rate) where oneDNN's packed GEMM takes 14-17 ms; wider tiles (4 or 8 blocks) were no faster at one
+// row, and prefetching 16 KB ahead of each of the two weight streams beat 2 KB and none (13 ms without).
+template <int MB>
+static void tile(const float* X, const float* Wp, float* Y, int64_t m0, int64_t j0, int64_t nb, int64_t K, int64_t N) {
+  constexpr int NB = 2;
+  __m256 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
+  const float* xr[MB];
+  for (int m = 0; m < MB; ++m) xr[m] = X + (m0 + m) * K;
+  const float* w0 = Wp + j0 * K * 8;
+  const float* w1 = nb > 1 ? w0 + K * 8 : w0;  // a lone last block computes it twice and stores it once
+  for (int64_t k = 0; k < K; k += 2) {  // K even: one prefetch per 64-byte line of each stream
+    _mm_prefetch((const char*)(w0 + k * 8 + 4096), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w1 + k * 8 + 4096), _MM_HINT_T0);
+    for (int64_t kk = k; kk < k + 2; ++kk) {
+      const __m256 a = _mm256_loadu_ps(w0 + kk * 8), b = _mm256_loadu_ps(w1 + kk * 8);
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(xr[m] + kk);
+        acc[m][0] = _mm256_fmadd_ps(xb, a, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(xb, b, acc[m][1]);
+      }
+    }
+  }
+  for (int j = 0; j < nb; ++j) {
+    const int64_t n = (j0 + j) * 8;
+    if (n + 8 <= N) {
+      for (int m = 0; m < MB; ++m) _mm256_storeu_ps(Y + (m0 + m) * N + n, acc[m][j]);
+    } else {
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(N - n)), lane);
+      for (int m = 0; m < MB; ++m) _mm256_maskstore_ps(Y + (m0 + m) * N + n, mask, acc[m][j]);
+    }
+  }
+}
+
+template <int MB>
+static void row_chunk(const float* X, const float* Wp, float* Y, int64_t m0, int64_t j_lo, int64_t j_hi, int64_t K,
+                      int64_t N) {
+  for (int64_t j = j_lo; j < j_hi; j += 2) tile<MB>(X, Wp, Y, m0, j, std::min<int64_t>(2, j_hi - j), K, N);
+}
+
+// Y[M, N] = X[M, K] W[N, K]^T (+ bias). Columns go in groups of 8 blocks (64 columns): every chunk of up to 6 rows
+// runs over one group before the next, so with more rows a group's weights are re-read from L2, not memory. From
+// ~6 rows on the FMA units bound it (about 1.35 ms per row on the benchmark policy; chunks of 6 measured 18 ms at
+// 16 rows where chunks of 8 took 22).
+static void matmul(const float* X, const float* Wp, const float* bias, float* Y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = (N + 7) / 8;
+  at::parallel_for(0, (blocks + 7) / 8, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t j_lo = g * 8, j_hi = std::min<int64_t>(blocks, j_lo + 8);
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        switch (std::min<int64_t>(6, M - m0)) {
+          case 6: row_chunk<6>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 5: row_chunk<5>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 4: row_chunk<4>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 3: row_chunk<3>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          case 2: row_chunk<2>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+          default: row_chunk<1>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+        }
+      }
+    }
+  });
+  if (bias)
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) Y[m * N + n] += bias[n];
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N) {
+  // w: packed by `pack_f32` from an [N, K] weight
+  auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t M = x2.size(0), K = x2.size(1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  FlushDenormals ftz;
+  matmul(P(x2), P(w), bias ? P(*bias) : nullptr, PM(y), M, K, N);
+  return y;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w
+static void rms_norm(const float* x, const float* w, float* out, int64_t H, double eps) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= H; i += 8) { const __m256 v = _mm256_loadu_ps(x + i); acc = _mm256_fmadd_ps(v, v, acc); }
+  float ss = hsum8(acc);
+  for (int64_t j = i; j < H; ++j) ss += x[j] * x[j];
+  const float r = 1.0f / std::sqrt(ss / H + (float)eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  for (i = 0; i + 8 <= H; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(w + i)));
+  for (; i < H; ++i) out[i] = x[i] * r * w[i];
+}
+
+// softmax(q K[0..len)^T * scaling) V[0..len) for one query head: the one attention routine of the fused stack and
+// of `attend` (the per-op path's few-token forwards), so a plain step and a verification compute it identically.
+static void attend_row(const float* q, const float* K, const float* V, int64_t len, int64_t D, float scaling,
+                       float* scores, float* out) {
+  float qf[512], o[512];
+  for (int64_t d = 0; d < D; ++d) { qf[d] = q[d] * scaling; o[d] = 0.f; }
+  const bool vec = D % 8 == 0;
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < len; ++j) {
+    const float* kj = K + j * D;
+    float s = 0.f;
+    if (vec) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + d), _mm256_loadu_ps(kj + d), acc);
+      s = hsum8(acc);
+    } else {
+      for (int64_t d = 0; d < D; ++d) s += qf[d] * kj[d];
+    }
+    scores[j] = s;
+    mx = std::max(mx, s);
+  }
+  float den = 0.f;
+  {
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 dv = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
+      _mm256_storeu_ps(scores + j, e);
+      dv = _mm256_add_ps(dv, e);
+    }
+    den = hsum8(dv);
+    for (; j < len; ++j) { scores[j] = exp1(scores[j] - mx); den += scores[j]; }
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    const float p = scores[j] / den;
+    const float* vj = V + j * D;
+    if (vec) {
+      const __m256 pv = _mm256_set1_ps(p);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(o + d)));
+    } else {
+      for (int64_t d = 0; d < D; ++d) o[d] += p * vj[d];
+    }
+  }
+  std::memcpy(out, o, D * sizeof(float));
+}
+
+// q [B, nh, T, D] (any strides), caches [slots, nkv, max_len, D]: row b, token t attends to keys
+// 0..min(positions[b, t], kv_len - 1) of slot slot0 + b. Returns o [B, nh, T, D].
+torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_t slot0, torch::Tensor positions,
+                     int64_t kv_len, double scaling) {
+  auto qc = q.contiguous();
+  auto pos = positions.to(torch::kInt64).contiguous();
+  const int64_t B = qc.size(0), nh = qc.size(1), T = qc.size(2), D = qc.size(3);
+  const int64_t nkv = kc.size(1), max_len = kc.size(2), group = nh / nkv;
+  auto out = torch::empty({B, nh, T, D}, qc.options());
+  const float* Q = P(qc);
+  const float* Kp = P(kc);
+  const float* Vp = P(vc);
+  float* O = PM(out);
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  at::parallel_for(0, B * nh, 1, [&](int64_t i0, int64_t i1) {
+    FlushDenormals ftz;  // per thread: the mode is a thread's own
+    std::vector<float> scores(kv_len);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / nh, h = i % nh, g = h / group;
+      const float* K = Kp + ((slot0 + b) * nkv + g) * max_len * D;
+      const float* V = Vp + ((slot0 + b) * nkv + g) * max_len * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t len = std::min(ps[b * T + t], kv_len - 1) + 1;
+        attend_row(Q + (i * T + t) * D, K, V, len, D, (float)scaling, scores.data(), O + (i * T + t) * D);
+      }
+    }
+  });
+  return out;
+}
+
+static void apply(const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, const float* x, float* y,
+                  int64_t M, int64_t K, int64_t N) {
+  matmul(x, P(w), bias ? P(*bias) : nullptr, y, M, K, N);
+}
+
+// The signature of the bfloat16 `decode_layers` (the runner calls either alike); the `*_sz` lists (4-bit scales,
+// which only the bf16 kernels take) must be all None here.
+void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vector<torch::Tensor> post_norm,
+                   std::vector<torch::Tensor> qkv_w, std::vector<c10::optional<torch::Tensor>> qkv_sz,
+                   std::vector<c10::optional<torch::Tensor>> qkv_b,
+                   std::vector<torch::Tensor> o_w, std::vector<c10::optional<torch::Tensor>> o_sz,
+                   std::vector<c10::optional<torch::Tensor>> o_b,
+                   std::vector<torch::Tensor> gu_w, std::vector<c10::optional<torch::Tensor>> gu_sz,
+                   std::vector<c10::optional<torch::Tensor>> gu_b,
+                   std::vector<torch::Tensor> down_w, std::vector<c10::optional<torch::Tensor>> down_sz,
+                   std::vector<c10::optional<torch::Tensor>> down_b,
+                   std::vector<torch::Tensor> k_cache, std::vector<torch::Tensor> v_cache, int64_t slot0,
+                   std::vector<int64_t> starts, torch::Tensor cos, torch::Tensor sin, int64_t nh, int64_t nkv,
+                   int64_t inter, double eps, double scaling) {
+  // h [B * S, H]: for each of B sequences (cache slots slot0 + b), S consecutive tokens at positions starts[b] ..
+  // starts[b] + S - 1 (a decode step, S = 1, or the verification of S - 1 drafts); cos/sin [B * S, D].
+  for (const auto* sz : {&qkv_sz, &o_sz, &gu_sz, &down_sz})
+    for (const auto& s : *sz) TORCH_CHECK(!s.has_value(), "float32 decode_layers: 4-bit weights are bf16-only");
+  FlushDenormals ftz;
+  const int64_t B = (int64_t)starts.size(), T = h.size(0), S = T / B, H = h.size(1), L = (int64_t)qkv_w.size();
+  const int64_t D = cos.size(1), half = D / 2;
+  const int64_t qs = nh * D, kvs = nkv * D, I = inter, group = nh / nkv, W3 = qs + 2 * kvs;
+  const int64_t max_len = k_cache[0].size(2);
+  float* hp = PM(h);
+  const float* cp = P(cos);
+  const float* sp = P(sin);
+  const int64_t longest = *std::max_element(starts.begin(), starts.end()) + S;
+  std::vector<float> a(T * H), qkv(T * W3), att(T * qs), act(T * I), y(T * std::max(2 * I, H)), scores(longest);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, P(in_norm[l]), a.data() + t * H, H, eps);
+    apply(qkv_w[l], qkv_b[l], a.data(), qkv.data(), T, H, W3);
+    float* kc = PM(k_cache[l]);
+    float* vc = PM(v_cache[l]);
+    for (int64_t t = 0; t < T; ++t) {
+      // rotary on q and k heads: x * cos + rot(x) * sin, rot(x) = (-x2, x1)
+      for (int64_t hd = 0; hd < nh + nkv; ++hd) {
+        float* x = qkv.data() + t * W3 + hd * D;
+        const float* c = cp + t * D;
+        const float* s = sp + t * D;
+        int64_t d = 0;
+        for (; half % 8 == 0 && d < half; d += 8) {
+          const __m256 x1 = _mm256_loadu_ps(x + d), x2 = _mm256_loadu_ps(x + half + d);
+          _mm256_storeu_ps(x + d, _mm256_fnmadd_ps(x2, _mm256_loadu_ps(s + d), _mm256_mul_ps(x1, _mm256_loadu_ps(c + d))));
+          _mm256_storeu_ps(x + half + d, _mm256_fmadd_ps(x1, _mm256_loadu_ps(s + half + d),
+                                                         _mm256_mul_ps(x2, _mm256_loadu_ps(c + half + d))));
+        }
+        for (; d < half; ++d) {
+          const float x1 = x[d], x2 = x[half + d];
+          x[d] = x1 * c[d] - x2 * s[d];
+          x[half + d] = x2 * c[half + d] + x1 * s[half + d];
+        }
+      }
+      const int64_t slot = slot0 + t / S, pos = starts[t / S] + t % S;
+      for (int64_t g = 0; g < nkv; ++g) {
+        const int64_t off = ((slot * nkv + g) * max_len + pos) * D;
+        std::memcpy(kc + off, qkv.data() + t * W3 + qs + g * D, D * sizeof(float));
+        std::memcpy(vc + off, qkv.data() + t * W3 + qs + kvs + g * D, D * sizeof(float));
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = slot0 + t / S, len = starts[t / S] + t % S + 1;
+      for (int64_t hd = 0; hd < nh; ++hd) {
+        const int64_t g = hd / group;
+        attend_row(qkv.data() + t * W3 + hd * D, kc + (slot * nkv + g) * max_len * D,
+                   vc + (slot * nkv + g) * max_len * D, len, D, (float)scaling, scores.data(),
+                   att.data() + t * qs + hd * D);
+      }
+    }
+    apply(o_w[l], o_b[l], att.data(), y.data(), T, qs, H);
+    for (int64_t i = 0; i < T * H; ++i) hp[i] += y[i];
+    for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, P(post_norm[l]), a.data() + t * H, H, eps);
+    apply(gu_w[l], gu_b[l], a.data(), y.data(), T, H, 2 * I);
+    for (int64_t t = 0; t < T; ++t) {  // SiLU(gate) * up
+      const float* gy = y.data() + t * 2 * I;
+      const float* uy = gy + I;
+      float* at = act.data() + t * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gy + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(at + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                               _mm256_loadu_ps(uy + i)));
+      }
+      for (; i < I; ++i) at[i] = gy[i] / (1.f + exp1(-gy[i])) * uy[i];
+    }
+    apply(down_w[l], down_b[l], act.data(), y.data(), T, I, H);
+    for (int64_t i = 0; i < T * H; ++i) hp[i] += y[i];
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear);
+  m.def("decode_layers", &decode_layers);
+  m.def("attend", &attend);
+}
+"""
+
+
+def _cpu_has_avx2_fma() -> bool:
+    flags = cpu_kernels.cpu_flags().split()
+    return "avx2" in flags and "fma" in flags
+
+
+def buildable() -> bool:
+    """Where the kernels must build: the CPU has AVX2 and FMA and the toolchain torch needs is on PATH."""
+    return _cpu_has_avx2_fma() and cpu_kernels.toolchain()
+
+
+def load() -> Any:
+    """The compiled module, or None where it cannot be built here (then the ATen path runs)."""
+    return cpu_kernels.build_once("specrl_decode_kernels_f32", _SOURCE, _cpu_has_avx2_fma)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float32 -> the kernels' layout [ceil(N/8), K, 8] (8 output columns' weights for one input side by
+    side; rows past N are zero)."""
+    n, k = weight.shape
+    w = weight if n % 8 == 0 else torch.cat([weight, weight.new_zeros((-n) % 8, k)])
+    return w.view(-1, 8, k).transpose(1, 2).contiguous()
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """The kernels' layout: a contiguous CPU float32 matrix with an even number of input features."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and weight.is_contiguous())
