@@ -16,8 +16,9 @@ per-channel weights (re-quantized from the policy on refresh); `quantize_bits` p
 
 On a CPU with AVX512-BF16 (and a C++ compiler), bfloat16 and 4-bit runners take `cpu_kernels` for decode-sized
 forwards (`FUSED_ROWS`: a few tokens of a few sequences — decode steps, their verification, drafting): the whole
-layer stack in one C++ call, each token computed exactly as a one-token batch-1 step computes it. Larger forwards
-keep the per-op path, whose few-token forwards share the same attention routine.
+layer stack in one C++ call, each token computed exactly as a one-token batch-1 step computes it; float32 runners
+take `cpu_kernels_f32` alike on a CPU with AVX2 and FMA. Larger forwards keep the per-op path, whose few-token
+forwards share the same attention routine.
 """
 
 from __future__ import annotations
@@ -95,10 +96,12 @@ class Dense:
     1.5-6x faster on the small builtin models, whose matmuls are too small for oneDNN's per-call overhead; at 40
     rows the two are even.
 
-    CPU float32 (what the engine runs on CPUs without native bf16, e.g. an AVX2-only EPYC): oneDNN with the weight
-    pre-packed once (laid out for 4 rows). Its rows come out bit-identical whatever the row count (F.linear's do
-    not: MKL's one-row GEMV and its GEMM round differently), so a plain step and a verification compute every token
-    alike; and MKL's small-M GEMM streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one
+    CPU float32 with AVX2 and FMA: up to SMALL_ROWS rows go to `cpu_kernels_f32.linear` (7-9 ms for 1-5 rows of
+    the bench-shaped 8-layer stack below, the streaming rate, where packed oneDNN takes 12-18 ms; even at 16 rows,
+    where both are bound by the FMA units), more to oneDNN as follows. CPU float32 without native bf16 (e.g. an
+    AVX2-only EPYC): oneDNN with the weight pre-packed once (laid out for 4 rows). Its rows come out bit-identical
+    whatever the row count (F.linear's do not: MKL's one-row GEMV and its GEMM round differently), so a plain step
+    and a verification compute every token alike; and MKL's small-M GEMM streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one
     thread, bench-shaped 8-layer stacks, best of 7 while a test run used the other core, ms for 1 / 2 / 3 / 4 / 8 /
     16 rows: F.linear 12.4 / 20.4 / 31.2 / 34.0 / 37.6 / 47.4, packed 13.0 /
     15.3 / 22.4 / 21.9 / 27.5 / 35.0. Elsewhere, and for float32 on CPUs with native bf16 (only the reference
