@@ -6,8 +6,11 @@ took ~21 ms (31% of that roofline) — oneDNN's packed small-M GEMM reads the we
 a verification of 5 tokens cost ~1.7 plain steps instead of ~1, and ATen dispatches ~12 ops per layer. These are
 the float32 counterparts of `cpu_kernels`' bfloat16 ones, with the same Python-facing functions (`linear`,
 `attend`, `decode_layers`): weights packed once (`pack_f32`: 8 output columns' weights for one input side by side,
-one 32-byte vector), products accumulated in vector lanes (no horizontal sums) over tiles of up to 8 rows, so up to
-8 rows read the weights once; the whole layer stack of a few tokens of a few sequences in one call. Every output is
+one 32-byte vector), products accumulated in vector lanes (no horizontal sums) over tiles of up to 6 rows x 16
+columns, so up to 6 rows read the weights once from memory and more re-read a 16 KB panel from L1; the whole layer
+stack of a few tokens of a few sequences in one call. Measured on an AVX2-only EPYC (Zen 3), one thread, the
+benchmark policy's 8 layers of matmuls: 5.3-6.5 ms for 1-6 rows (the 16-20 GB/s streaming rate), 9 ms for 8 and
+13.5 ms for 16, where oneDNN's packed GEMM takes 8-12 / 13-15 / 19-24 ms. Every output is
 the same sequence of fused multiply-adds whatever the batch, so a row's result does not depend on the rows computed
 with it: plain decoding, a verification and any batch composition give bit-identical logits for a sequence.
 """
@@ -67,67 +70,69 @@ static inline __m256 exp8(__m256 x) {
 static inline float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }  // tails as the body
 
 // Weights packed once (`pack_f32`): [ceil(N/8)][K][8]. A tile of MB rows x 2 column blocks keeps 2 MB accumulators
-// in registers (16 ymm: up to 12 accumulators, 2 weights, one broadcast), and every output is the same sequence of
-// FMAs over k whatever MB or M: a row's result does not depend on the rows computed with it. Measured on an
-// AVX2-only EPYC, one thread, the benchmark policy's 8 layers (109 MB): 6.6-8 ms for 1-5 rows (14-16 GB/s, the
-// streaming rate) where oneDNN's packed GEMM takes 14-17 ms; wider tiles (4 or 8 blocks) were no faster at one
-// row, and prefetching 16 KB ahead of each of the two weight streams beat 2 KB and none (13 ms without).
+// in registers (16 ymm: up to 12 accumulators, 2 weights, one broadcast) over inputs k0..k1, starting from zero or
+// from the partial sums in Y. Every output is the same sequence of FMAs over k whatever MB or M (a partial sum
+// stored and reloaded is exact), so a row's result does not depend on the rows computed with it.
 template <int MB>
-static void tile(const float* X, const float* Wp, float* Y, int64_t m0, int64_t j0, int64_t nb, int64_t K, int64_t N) {
-  constexpr int NB = 2;
-  __m256 acc[MB][NB];
-  for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm256_setzero_ps();
-  const float* xr[MB];
-  for (int m = 0; m < MB; ++m) xr[m] = X + (m0 + m) * K;
+static void tile(const float* X, const float* Wp, float* Y, int64_t m0, int64_t j0, int64_t nb, int64_t k0, int64_t k1,
+                 int64_t K, int64_t N) {
+  // GCC keeps the accumulators in registers only with the m loops fully unrolled, and the weight pair only when
+  // told (it would reload the weight from memory in each of the 2 MB FMAs)
+  __m256 acc0[MB], acc1[MB];
   const float* w0 = Wp + j0 * K * 8;
   const float* w1 = nb > 1 ? w0 + K * 8 : w0;  // a lone last block computes it twice and stores it once
-  for (int64_t k = 0; k < K; k += 2) {  // K even: one prefetch per 64-byte line of each stream
-    _mm_prefetch((const char*)(w0 + k * 8 + 4096), _MM_HINT_T0);
-    _mm_prefetch((const char*)(w1 + k * 8 + 4096), _MM_HINT_T0);
-    for (int64_t kk = k; kk < k + 2; ++kk) {
-      const __m256 a = _mm256_loadu_ps(w0 + kk * 8), b = _mm256_loadu_ps(w1 + kk * 8);
-      for (int m = 0; m < MB; ++m) {
-        const __m256 xb = _mm256_broadcast_ss(xr[m] + kk);
-        acc[m][0] = _mm256_fmadd_ps(xb, a, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(xb, b, acc[m][1]);
-      }
+  const int64_t n0 = j0 * 8, n1 = n0 + 8;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(8, N - n0)), lane);
+  const __m256i mask1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::max<int64_t>(0, std::min<int64_t>(8, N - n1))), lane);
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    float* y = Y + (m0 + m) * N;
+    acc0[m] = k0 ? _mm256_maskload_ps(y + n0, mask0) : _mm256_setzero_ps();
+    acc1[m] = k0 && nb > 1 ? _mm256_maskload_ps(y + n1, mask1) : _mm256_setzero_ps();
+  }
+  const float* xr[MB];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) xr[m] = X + (m0 + m) * K;
+  for (int64_t k = k0; k < k1; ++k) {
+    if ((k & 1) == 0) {  // one prefetch per 64-byte line of each stream
+      _mm_prefetch((const char*)(w0 + k * 8 + 4096), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w1 + k * 8 + 4096), _MM_HINT_T0);
+    }
+    __m256 a = _mm256_loadu_ps(w0 + k * 8), b = _mm256_loadu_ps(w1 + k * 8);
+    asm("" : "+x"(a), "+x"(b));
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(xr[m] + k);
+      acc0[m] = _mm256_fmadd_ps(xb, a, acc0[m]);
+      acc1[m] = _mm256_fmadd_ps(xb, b, acc1[m]);
     }
   }
-  for (int j = 0; j < nb; ++j) {
-    const int64_t n = (j0 + j) * 8;
-    if (n + 8 <= N) {
-      for (int m = 0; m < MB; ++m) _mm256_storeu_ps(Y + (m0 + m) * N + n, acc[m][j]);
-    } else {
-      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(N - n)), lane);
-      for (int m = 0; m < MB; ++m) _mm256_maskstore_ps(Y + (m0 + m) * N + n, mask, acc[m][j]);
-    }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    float* y = Y + (m0 + m) * N;
+    _mm256_maskstore_ps(y + n0, mask0, acc0[m]);
+    if (nb > 1) _mm256_maskstore_ps(y + n1, mask1, acc1[m]);
   }
 }
 
-template <int MB>
-static void row_chunk(const float* X, const float* Wp, float* Y, int64_t m0, int64_t j_lo, int64_t j_hi, int64_t K,
-                      int64_t N) {
-  for (int64_t j = j_lo; j < j_hi; j += 2) tile<MB>(X, Wp, Y, m0, j, std::min<int64_t>(2, j_hi - j), K, N);
-}
-
-// Y[M, N] = X[M, K] W[N, K]^T (+ bias). Columns go in groups of 8 blocks (64 columns): every chunk of up to 6 rows
-// runs over one group before the next, so with more rows a group's weights are re-read from L2, not memory. From
-// ~6 rows on the FMA units bound it (about 1.35 ms per row on the benchmark policy; chunks of 6 measured 18 ms at
-// 16 rows where chunks of 8 took 22).
+// Y[M, N] = X[M, K] W[N, K]^T (+ bias), GEMM-style: for each pair of column blocks and each slice of KC inputs (a
+// 16 KB weight panel, which stays in L1), every chunk of up to 6 rows in turn. With one chunk (up to 6 rows) the
+// weights stream once from memory at the read rate; further chunks re-read the panel from L1, so the FMA units,
+// not the L3, bound many rows. KC is fixed, so the k order of every output is the same whatever M.
 static void matmul(const float* X, const float* Wp, const float* bias, float* Y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t KC = 256;
   const int64_t blocks = (N + 7) / 8;
-  at::parallel_for(0, (blocks + 7) / 8, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t j_lo = g * 8, j_hi = std::min<int64_t>(blocks, j_lo + 8);
-      for (int64_t m0 = 0; m0 < M; m0 += 6) {
-        switch (std::min<int64_t>(6, M - m0)) {
-          case 6: row_chunk<6>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
-          case 5: row_chunk<5>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
-          case 4: row_chunk<4>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
-          case 3: row_chunk<3>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
-          case 2: row_chunk<2>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
-          default: row_chunk<1>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t j = p * 2, nb = std::min<int64_t>(2, blocks - j);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = std::min(K, k0 + KC);
+        for (int64_t m0 = 0; m0 < M; m0 += 6) {
+          switch (std::min<int64_t>(6, M - m0)) {
+            case 6: tile<6>(X, Wp, Y, m0, j, nb, k0, k1, K, N); break;
+            case 5: tile<5>(X, Wp, Y, m0, j, nb, k0, k1, K, N); break;
+            case 4: tile<4>(X, Wp, Y, m0, j, nb, k0, k1, K, N); break;
+            case 3: tile<3>(X, Wp, Y, m0, j, nb, k0, k1, K, N); break;
+            case 2: tile<2>(X, Wp, Y, m0, j, nb, k0, k1, K, N); break;
+            default: tile<1>(X, Wp, Y, m0, j, nb, k0, k1, K, N); break;
+          }
         }
       }
     }

@@ -41,20 +41,22 @@ def test_kernels_build_wherever_the_cpu_and_toolchain_allow() -> None:
 @needs_f32_kernels
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 19])
 def test_linear_f32_is_the_float32_product(rows: int) -> None:
+    # 203 columns: a partial block; 520 inputs: two full 256-input slices and a partial one
     g = torch.Generator().manual_seed(0)
-    w, b, x = torch.randn(203, 96, generator=g), torch.randn(203, generator=g), torch.randn(rows, 96, generator=g)
-    y = cpu_kernels_f32.load().linear(x, cpu_kernels_f32.pack_f32(w), b, 203)  # 203 columns: a partial block
+    w, b, x = torch.randn(203, 520, generator=g), torch.randn(203, generator=g), torch.randn(rows, 520, generator=g)
+    y = cpu_kernels_f32.load().linear(x, cpu_kernels_f32.pack_f32(w), b, 203)
     ref = (x.double() @ w.double().t() + b.double()).float()
     assert y.dtype == torch.float32 and y.shape == (rows, 203)
-    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=2e-4)
 
 
 @needs_f32_kernels
 def test_linear_f32_rows_do_not_depend_on_the_batch() -> None:
-    # rows go in chunks of 6 over pairs of 8-column blocks (70 columns: a lone partial last block)
+    # rows go in chunks of 6 over pairs of 8-column blocks (70 columns: a lone partial last block) and slices of 256
+    # inputs, a row's partial sums stored between slices (600 inputs: a partial last slice)
     g = torch.Generator().manual_seed(5)
-    w = cpu_kernels_f32.pack_f32(torch.randn(70, 128, generator=g))
-    x = torch.randn(21, 128, generator=g)
+    w = cpu_kernels_f32.pack_f32(torch.randn(70, 600, generator=g))
+    x = torch.randn(21, 600, generator=g)
     k = cpu_kernels_f32.load()
     alone = torch.cat([k.linear(x[i : i + 1], w, None, 70) for i in range(21)])
     for rows in (2, 4, 5, 6, 7, 8, 13, 21):
