@@ -96,9 +96,9 @@ class Dense:
     1.5-6x faster on the small builtin models, whose matmuls are too small for oneDNN's per-call overhead; at 40
     rows the two are even.
 
-    CPU float32 with AVX2 and FMA: up to SMALL_ROWS rows go to `cpu_kernels_f32.linear` (7-9 ms for 1-5 rows of
-    the bench-shaped 8-layer stack below, the streaming rate, where packed oneDNN takes 12-18 ms; even at 16 rows,
-    where both are bound by the FMA units), more to oneDNN as follows. CPU float32 without native bf16 (e.g. an
+    CPU float32 with AVX2 and FMA: up to SMALL_ROWS_F32 rows go to `cpu_kernels_f32.linear`, more to oneDNN as
+    follows. The bench-shaped 8-layer stack below, ms for 1-5 / 16 / 32 / 64 / 112 rows: kernel 6-9 (the streaming
+    rate) / 13.6 / 25.7 / 45.8 / 77.6, packed oneDNN 8-18 / 19.8 / 30.9 / 51.2 / 83.8. CPU float32 without native bf16 (e.g. an
     AVX2-only EPYC): oneDNN with the weight pre-packed once (laid out for 4 rows). Its rows come out bit-identical
     whatever the row count (F.linear's do not: MKL's one-row GEMV and its GEMM round differently), so a plain step
     and a verification compute every token alike; and MKL's small-M GEMM streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one
@@ -109,6 +109,7 @@ class Dense:
     """
 
     SMALL_ROWS = 16  # up to this many rows: the kernel
+    SMALL_ROWS_F32 = 128
     PACK_ROWS = 4  # float32: the row count oneDNN lays the packed weight out for (one layout serves 1-16 rows)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -117,6 +118,7 @@ class Dense:
         self.packed = None
         self.weight: torch.Tensor | None = weight
         self.kernels = None
+        self.small_rows = self.SMALL_ROWS
         self.kweight: torch.Tensor | None = None  # cpu_kernels' layout, where the kernels run this weight
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and native_bf16():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
@@ -130,6 +132,7 @@ class Dense:
             if kernels is not None:
                 self.kernels = kernels
                 self.kweight = cpu_kernels_f32.pack_f32(weight)
+                self.small_rows = self.SMALL_ROWS_F32
             if not native_bf16() and torch.backends.mkldnn.is_available():
                 try:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
@@ -138,7 +141,7 @@ class Dense:
                     self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.numel() <= self.SMALL_ROWS * x.shape[-1]:
+        if self.kernels is not None and x.numel() <= self.small_rows * x.shape[-1]:
             return self.kernels.linear(x, self.kweight, self.bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -311,8 +314,10 @@ class TransformerRunner:
     # policy, one thread: 0.08 / 0.15 / 0.34 / 0.67 ms at batch 1 / 2 / 8 / 16 where the per-op path takes 0.34 /
     # 0.46 / 0.94 / 1.49 ms.
     FUSED_ROWS = 64
+    FUSED_ROWS_F32 = 128  # the float32 kernel's matmul is faster than oneDNN's up to 112 rows at least (see `Dense`)
     _fused: tuple[list, ...] | None = None  # decode_layers' weights (set by refresh where the kernels run)
     _kernels: Any = None  # cpu_kernels (bfloat16) or cpu_kernels_f32 (float32): the module `_fused` is for
+    _fused_rows = FUSED_ROWS
 
     def __init__(self, model: nn.Module, quantize: int = 0, max_positions: int | None = None,
                  dtype: str | torch.dtype | None = None) -> None:
@@ -414,6 +419,7 @@ class TransformerRunner:
         if not self.layers or self.head_dim > 512 or self.head_dim % 2 or kernels is None or kernels.load() is None:
             return None
         self._kernels = kernels.load()
+        self._fused_rows = self.FUSED_ROWS_F32 if self.dtype == torch.float32 else self.FUSED_ROWS
 
         def fused(m: Callable[[torch.Tensor], torch.Tensor]) -> bool:
             return isinstance(m, (Dense, Int4Dense)) and m.kernels is not None
@@ -558,7 +564,7 @@ class TransformerRunner:
         h = F.embedding(tokens, self.embed)
         b, t = tokens.shape
         fused = False
-        if self._fused is not None and lens is None and t <= self.FEW_TOKENS and b * t <= self.FUSED_ROWS \
+        if self._fused is not None and lens is None and t <= self.FEW_TOKENS and b * t <= self._fused_rows \
                 and max(starts) + t <= min(cache.max_len, self.max_positions):
             # Decode-sized forwards (plain steps, verifications, a drafter's steps): the whole layer stack in one
             # call, each token of each row computed exactly as a one-token batch-1 step would compute it.
