@@ -98,10 +98,12 @@ class Dense:
 
     CPU float32 with AVX2 and FMA: up to SMALL_ROWS_F32 rows go to `cpu_kernels_f32.linear`, more to oneDNN as
     follows. The bench-shaped 8-layer stack below, ms for 1-5 / 16 / 32 / 64 / 112 rows: kernel 6-9 (the streaming
-    rate) / 13.6 / 25.7 / 45.8 / 77.6, packed oneDNN 8-18 / 19.8 / 30.9 / 51.2 / 83.8. CPU float32 without native bf16 (e.g. an
-    AVX2-only EPYC): oneDNN with the weight pre-packed once (laid out for 4 rows). Its rows come out bit-identical
-    whatever the row count (F.linear's do not: MKL's one-row GEMV and its GEMM round differently), so a plain step
-    and a verification compute every token alike; and MKL's small-M GEMM streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one
+    rate) / 13.6 / 25.7 / 45.8 / 77.6, packed oneDNN 8-18 / 19.8 / 30.9 / 51.2 / 83.8.
+
+    CPU float32 without native bf16 (e.g. an AVX2-only EPYC): oneDNN with the weight pre-packed once (laid out for 4
+    rows). Its rows come out bit-identical whatever the row count (F.linear's do not: MKL's one-row GEMV and its
+    GEMM round differently), so a plain step and a verification compute every token alike; and MKL's small-M GEMM
+    streams the weight about once per row. Measured on an AVX2-only AMD EPYC, one
     thread, bench-shaped 8-layer stacks, best of 7 while a test run used the other core, ms for 1 / 2 / 3 / 4 / 8 /
     16 rows: F.linear 12.4 / 20.4 / 31.2 / 34.0 / 37.6 / 47.4, packed 13.0 /
     15.3 / 22.4 / 21.9 / 27.5 / 35.0. Elsewhere, and for float32 on CPUs with native bf16 (only the reference
