@@ -376,6 +376,5 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
 
 
 def fits(weight: torch.Tensor) -> bool:
-    """The kernels' layout: a contiguous CPU float32 matrix with an even number of input features."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.shape[1] % 2 == 0 and weight.is_contiguous())
+    """The kernels' layout: a contiguous CPU float32 matrix (any number of inputs and outputs)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()

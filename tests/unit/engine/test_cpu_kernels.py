@@ -51,6 +51,15 @@ def test_linear_f32_is_the_float32_product(rows: int) -> None:
 
 
 @needs_f32_kernels
+def test_linear_f32_takes_an_odd_number_of_inputs() -> None:
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(13, 301, generator=g), torch.randn(3, 301, generator=g)
+    assert cpu_kernels_f32.fits(w)
+    y = cpu_kernels_f32.load().linear(x, cpu_kernels_f32.pack_f32(w), None, 13)
+    assert torch.allclose(y, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-4)
+
+
+@needs_f32_kernels
 def test_linear_f32_rows_do_not_depend_on_the_batch() -> None:
     # rows go in chunks of 6 over pairs of 8-column blocks (70 columns: a lone partial last block) and slices of 256
     # inputs, a row's partial sums stored between slices (600 inputs: a partial last slice)
