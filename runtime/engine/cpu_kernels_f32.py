@@ -153,6 +153,176 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   return y;
 }
 
+// ---- 4-bit weights (the quantized_self drafter) ---------------------------------------------------------------
+// Layout (`pack_q4`): per output row, per group of 32 inputs 16 bytes, byte j = q[32g + j] | q[32g + 16 + j] << 4
+// (q in 0..15), and per group a bfloat16 scale and min (w = scale * q + min), [N, K/32] each: 5 bits a weight, a
+// sixth of float32's bytes. Activations are quantized to int16 per group of 32 (scale max|x| / 32767; the bf16
+// kernels found int8 activations cost SmolLM2's drafter acceptance 0.93 -> 0.79), so `vpmaddwd` does 16 products a
+// instruction: sum_k w_k x_k = sum_g scale_g xscale_g sum_{k in g} q_k x16_k + sum_g min_g sum_{k in g} x_k.
+// Each row is quantized and accumulated on its own, in the same order whatever rows come with it (batch-invariant).
+// A drafter need not be exact: the rejection sampler uses the distribution it actually drafted from.
+struct XQ {
+  std::vector<int16_t> q;     // [M, K]
+  std::vector<float> scale;   // [M, G]
+  std::vector<float> sum;     // [M, G]
+};
+
+static void quantize_x(const float* X, int64_t M, int64_t K, XQ& out) {
+  const int64_t G = K / 32;
+  out.q.resize(M * K); out.scale.resize(M * G); out.sum.resize(M * G);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* x = X + m * K + g * 32;
+      __m256 v[4], mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_and_ps(v[i], abs_mask));
+        sm = _mm256_add_ps(sm, v[i]);
+      }
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      int16_t* q = out.q.data() + m * K + g * 32;
+      for (int i = 0; i < 4; i += 2) {  // packs interleaves 128-bit lanes; the permute puts them back in order
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
+        _mm256_storeu_si256((__m256i*)(q + 8 * i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+      }
+      out.scale[m * G + g] = amax > 0.f ? amax / 32767.f : 0.f;
+      out.sum[m * G + g] = hsum8(sm);
+    }
+}
+
+static inline __m256 load_bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// Products of one group of 32 inputs with MB rows, added to accumulator `a` of each row.
+template <int MB>
+static inline void group_q4(const uint8_t* w, const int16_t* const* x, const float* const* comb, int64_t j,
+                            __m256 (&acc)[MB][4], int a) {
+  const __m128i lo = _mm_set1_epi8(0x0F);
+  const __m128i packed = _mm_loadu_si128((const __m128i*)(w + j * 16));
+  const __m256i qa = _mm256_cvtepu8_epi16(_mm_and_si128(packed, lo));                     // inputs 32j .. 32j+15
+  const __m256i qb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), lo));  // 32j+16 .. 32j+31
+  _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r) {
+    const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(qa, _mm256_loadu_si256((const __m256i*)(x[r] + j * 32))),
+                                       _mm256_madd_epi16(qb, _mm256_loadu_si256((const __m256i*)(x[r] + j * 32 + 16))));
+    acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(comb[r] + j), acc[r][a]);
+  }
+}
+
+// One output column for MB rows: four accumulators a row (group j into j % 4, whatever MB, so a row's sum is the
+// same alone or paired): one chain of FMAs would wait out the FMA latency on every group.
+template <int MB>
+static inline void column_q4(const uint8_t* w, const int16_t* const* x, const float* const* comb, int64_t G,
+                             float* out) {
+  __m256 acc[MB][4];
+  _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r)
+    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 4 <= G; j += 4) {
+    group_q4<MB>(w, x, comb, j, acc, 0);
+    group_q4<MB>(w, x, comb, j + 1, acc, 1);
+    group_q4<MB>(w, x, comb, j + 2, acc, 2);
+    group_q4<MB>(w, x, comb, j + 3, acc, 3);
+  }
+  for (; j < G; ++j) {
+    switch (j & 3) {
+      case 0: group_q4<MB>(w, x, comb, j, acc, 0); break;
+      case 1: group_q4<MB>(w, x, comb, j, acc, 1); break;
+      default: group_q4<MB>(w, x, comb, j, acc, 2); break;
+    }
+  }
+  _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r)
+    out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+}
+
+// Y[M, N] = X[M, K] W^T for 4-bit W: per output column, pairs of rows share each group's unpacked weights.
+static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, const uint16_t* S, const uint16_t* Mn, float* Y,
+                      int64_t K, int64_t N) {
+  const int64_t G = K / 32, G8 = G / 8 * 8;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sc(G), mn(G), comb(2 * G);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = Wq + n * (K / 2);
+      int64_t g = 0;
+      for (; g < G8; g += 8) {
+        _mm256_storeu_ps(sc.data() + g, load_bf16x8(S + n * G + g));
+        _mm256_storeu_ps(mn.data() + g, load_bf16x8(Mn + n * G + g));
+      }
+      for (; g < G; ++g) {
+        uint32_t s = (uint32_t)S[n * G + g] << 16, b = (uint32_t)Mn[n * G + g] << 16;
+        std::memcpy(&sc[g], &s, 4); std::memcpy(&mn[g], &b, 4);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += 2) {
+        const int mb = (int)std::min<int64_t>(2, M - m0);
+        float bias[2], out[2];
+        const int16_t* x[2];
+        const float* cr[2];
+        for (int r = 0; r < mb; ++r) {
+          const float* xs = xq.scale.data() + (m0 + r) * G;
+          const float* xsum = xq.sum.data() + (m0 + r) * G;
+          __m256 bv = _mm256_setzero_ps();  // in lanes: a scalar sum would be a chain of dependent adds
+          int64_t j = 0;
+          for (; j < G8; j += 8) {
+            _mm256_storeu_ps(comb.data() + r * G + j, _mm256_mul_ps(_mm256_loadu_ps(sc.data() + j),
+                                                                    _mm256_loadu_ps(xs + j)));
+            bv = _mm256_fmadd_ps(_mm256_loadu_ps(mn.data() + j), _mm256_loadu_ps(xsum + j), bv);
+          }
+          float b = hsum8(bv);
+          for (; j < G; ++j) { comb[r * G + j] = sc[j] * xs[j]; b += mn[j] * xsum[j]; }
+          bias[r] = b;
+          x[r] = xq.q.data() + (m0 + r) * K;
+          cr[r] = comb.data() + r * G;
+        }
+        if (mb == 2) column_q4<2>(wr, x, cr, G, out);
+        else column_q4<1>(wr, x, cr, G, out);
+        for (int r = 0; r < mb; ++r) Y[(m0 + r) * N + n] = out[r] + bias[r];
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> pack_q4(torch::Tensor q, torch::Tensor scale, torch::Tensor mn) {
+  // q int [N, K] in 0..15 (K a multiple of 32); scale, mn float [N, K/32] -> (packed uint8 [N, K/2], bf16 scale, min)
+  auto qi = q.to(torch::kUInt8).contiguous();
+  const int64_t N = qi.size(0), K = qi.size(1);
+  TORCH_CHECK(K % 32 == 0, "pack_q4: the number of inputs must be a multiple of 32");
+  auto out = torch::empty({N, K / 2}, torch::TensorOptions().dtype(torch::kUInt8));
+  const uint8_t* src = qi.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < K / 32; ++g)
+      for (int j = 0; j < 16; ++j)
+        dst[n * (K / 2) + g * 16 + j] = src[n * K + g * 32 + j] | (src[n * K + g * 32 + 16 + j] << 4);
+  return {out, scale.to(torch::kBFloat16).contiguous(), mn.to(torch::kBFloat16).contiguous()};
+}
+
+static void linear_q4_into(const float* x, const torch::Tensor& packed, const torch::Tensor& scale,
+                           const torch::Tensor& mn, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+  XQ xq;
+  quantize_x(x, M, K, xq);
+  matmul_q4(xq, M, packed.data_ptr<uint8_t>(), (const uint16_t*)scale.data_ptr(), (const uint16_t*)mn.data_ptr(),
+            y, K, N);
+  if (bias)
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+}
+
+torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor mn,
+                        c10::optional<torch::Tensor> bias) {
+  auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
+  const int64_t M = x2.size(0), K = x2.size(1), N = packed.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = torch::empty(sizes, x.options());
+  FlushDenormals ftz;
+  linear_q4_into(P(x2), packed, scale, mn, bias ? P(*bias) : nullptr, PM(y), M, K, N);
+  return y;
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * w
 static void rms_norm(const float* x, const float* w, float* out, int64_t H, double eps) {
   __m256 acc = _mm256_setzero_ps();
@@ -245,13 +415,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_
   return out;
 }
 
-static void apply(const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, const float* x, float* y,
-                  int64_t M, int64_t K, int64_t N) {
-  matmul(x, P(w), bias ? P(*bias) : nullptr, y, M, K, N);
+// One weight of the fused stack: float32 packed by `pack_f32`, or 4-bit (`sz` = stack(scale, min), [2, N, K/32]).
+static void apply(const torch::Tensor& w, const c10::optional<torch::Tensor>& sz,
+                  const c10::optional<torch::Tensor>& bias, const float* x, float* y, int64_t M, int64_t K, int64_t N) {
+  if (sz) linear_q4_into(x, w, (*sz)[0], (*sz)[1], bias ? P(*bias) : nullptr, y, M, K, N);
+  else matmul(x, P(w), bias ? P(*bias) : nullptr, y, M, K, N);
 }
 
-// The signature of the bfloat16 `decode_layers` (the runner calls either alike); the `*_sz` lists (4-bit scales,
-// which only the bf16 kernels take) must be all None here.
+// The signature of the bfloat16 `decode_layers` (the runner calls either alike).
 void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vector<torch::Tensor> post_norm,
                    std::vector<torch::Tensor> qkv_w, std::vector<c10::optional<torch::Tensor>> qkv_sz,
                    std::vector<c10::optional<torch::Tensor>> qkv_b,
@@ -266,8 +437,6 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
                    int64_t inter, double eps, double scaling) {
   // h [B * S, H]: for each of B sequences (cache slots slot0 + b), S consecutive tokens at positions starts[b] ..
   // starts[b] + S - 1 (a decode step, S = 1, or the verification of S - 1 drafts); cos/sin [B * S, D].
-  for (const auto* sz : {&qkv_sz, &o_sz, &gu_sz, &down_sz})
-    for (const auto& s : *sz) TORCH_CHECK(!s.has_value(), "float32 decode_layers: 4-bit weights are bf16-only");
   FlushDenormals ftz;
   const int64_t B = (int64_t)starts.size(), T = h.size(0), S = T / B, H = h.size(1), L = (int64_t)qkv_w.size();
   const int64_t D = cos.size(1), half = D / 2;
@@ -280,7 +449,7 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
   std::vector<float> a(T * H), qkv(T * W3), att(T * qs), act(T * I), y(T * std::max(2 * I, H)), scores(longest);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, P(in_norm[l]), a.data() + t * H, H, eps);
-    apply(qkv_w[l], qkv_b[l], a.data(), qkv.data(), T, H, W3);
+    apply(qkv_w[l], qkv_sz[l], qkv_b[l], a.data(), qkv.data(), T, H, W3);
     float* kc = PM(k_cache[l]);
     float* vc = PM(v_cache[l]);
     for (int64_t t = 0; t < T; ++t) {
@@ -318,10 +487,10 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
                    att.data() + t * qs + hd * D);
       }
     }
-    apply(o_w[l], o_b[l], att.data(), y.data(), T, qs, H);
+    apply(o_w[l], o_sz[l], o_b[l], att.data(), y.data(), T, qs, H);
     for (int64_t i = 0; i < T * H; ++i) hp[i] += y[i];
     for (int64_t t = 0; t < T; ++t) rms_norm(hp + t * H, P(post_norm[l]), a.data() + t * H, H, eps);
-    apply(gu_w[l], gu_b[l], a.data(), y.data(), T, H, 2 * I);
+    apply(gu_w[l], gu_sz[l], gu_b[l], a.data(), y.data(), T, H, 2 * I);
     for (int64_t t = 0; t < T; ++t) {  // SiLU(gate) * up
       const float* gy = y.data() + t * 2 * I;
       const float* uy = gy + I;
@@ -335,7 +504,7 @@ void decode_layers(torch::Tensor h, std::vector<torch::Tensor> in_norm, std::vec
       }
       for (; i < I; ++i) at[i] = gy[i] / (1.f + exp1(-gy[i])) * uy[i];
     }
-    apply(down_w[l], down_b[l], act.data(), y.data(), T, I, H);
+    apply(down_w[l], down_sz[l], down_b[l], act.data(), y.data(), T, I, H);
     for (int64_t i = 0; i < T * H; ++i) hp[i] += y[i];
   }
 }
@@ -344,6 +513,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);
   m.def("decode_layers", &decode_layers);
   m.def("attend", &attend);
+  m.def("pack_q4", &pack_q4);
+  m.def("linear_q4", &linear_q4);
 }
 """
 

@@ -190,11 +190,17 @@ class Int8Dense:
 
 class Int4Dense:
     """4-bit weights, asymmetric per group of 32 input channels (the GGUF Q4_1 / AWQ layout: w = scale·q + min,
-    q in 0..15), bfloat16 activations, CPU kernel `_weight_int4pack_mm_for_cpu`.
+    q in 0..15). A checkpoint that was itself 4-bit with this grouping (SmolLM2's GGUF Q4_1) comes back nearly
+    exactly.
 
-    Measured here, SmolLM2-shaped layers with lm_head, one row, one thread: 11.6 ms, against 17.3 ms for torch.ao's
-    int8 and 31 ms for packed bfloat16 — a drafter reads a quarter of the bytes of the target. A checkpoint that
-    was itself 4-bit with this grouping (SmolLM2's GGUF Q4_1) comes back nearly exactly.
+    CPU with AVX512-BF16: bfloat16 activations; one or two rows through `cpu_kernels.linear_q4`, more through ATen's
+    `_weight_int4pack_mm_for_cpu`. Measured there, SmolLM2-shaped layers with lm_head, one row, one thread: 11.6 ms,
+    against 17.3 ms for torch.ao's int8 and 31 ms for packed bfloat16 — a drafter reads a quarter of the bytes of
+    the target.
+
+    CPU with AVX2 and FMA only: float32 activations, every row through `cpu_kernels_f32.linear_q4` (ATen's int4
+    kernel takes ~1 s for 1000 rows of a 576 x 1536 matrix in float32 there); each row computed alike whatever rows
+    come with it.
     """
 
     GROUP = 32
@@ -206,32 +212,48 @@ class Int4Dense:
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         scale = ((hi - lo) / 15).clamp(min=1e-8)
         q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
-        # the kernel computes (q - 8)·scale + zero
-        zero = lo + 8 * scale
-        self.scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1) \
-            .contiguous().to(torch.bfloat16)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         self.bias = bias
         self.out_features = n
-        # One or two rows (batch-1 drafting) and the fused batch-1 path: cpu_kernels' 4-bit layout and kernel
-        # (ATen's int4 kernel is compute-bound at one row here; from 4 rows on it is the faster one).
-        self.kernels = cpu_kernels.load() if k % 64 == 0 else None
+        self.packed: torch.Tensor | None = None
+        self.f32 = weight.dtype == torch.float32 and self.f32_kernels() is not None
+        if self.f32:
+            self.kernels = self.f32_kernels()
+            self.small_rows = -1  # every row
+        else:
+            # the kernel computes (q - 8)·scale + zero
+            zero = lo + 8 * scale
+            self.scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1) \
+                .contiguous().to(weight.dtype)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            # ATen's int4 kernel is compute-bound at one row on the AVX512 Xeon; from 4 rows on it is the faster one
+            self.kernels = cpu_kernels.load() if k % 64 == 0 else None
+            self.small_rows = 2
         if self.kernels is not None:
             self.q4_packed, s, mn = self.kernels.pack_q4(q, scale.view(n, -1), lo.view(n, -1))
             self.q4_sz = torch.stack([s, mn])
 
     @staticmethod
-    def available(device: torch.device) -> bool:
-        return device.type == "cpu" and native_bf16() and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    def f32_kernels() -> Any:
+        return None if native_bf16() else cpu_kernels_f32.load()
+
+    @classmethod
+    def available(cls, device: torch.device) -> bool:
+        if device.type != "cpu":
+            return False
+        if native_bf16():
+            return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        return cls.f32_kernels() is not None
 
     @classmethod
     def fits(cls, weight: torch.Tensor) -> bool:
-        """The kernel's layout: input features in whole groups, output features a multiple of 16."""
-        return weight.shape[1] % cls.GROUP == 0 and weight.shape[0] % 16 == 0
+        """The kernels' layout: input features in whole groups; for ATen's, output features a multiple of 16."""
+        f32 = weight.dtype == torch.float32 and cls.f32_kernels() is not None
+        return weight.shape[1] % cls.GROUP == 0 and (f32 or weight.shape[0] % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.numel() <= 2 * x.shape[-1]:
+        if self.kernels is not None and (self.f32 or x.numel() <= self.small_rows * x.shape[-1]):
             return self.kernels.linear_q4(x.contiguous(), self.q4_packed, self.q4_sz[0], self.q4_sz[1], self.bias)
+        assert self.packed is not None
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, self.GROUP,
                                                        self.scales_zeros)
@@ -345,9 +367,9 @@ class TransformerRunner:
         param = next(model.parameters())
         self.device = param.device
         # int8 drafting keeps float32 activations on CPU (torch.ao's int8 GEMM is the fast kernel there); the
-        # int4 kernel takes bfloat16.
-        self.dtype = {0: compute_dtype(dtype, param.dtype, param.device), 4: torch.bfloat16,
-                      8: param.dtype}[quantize]
+        # int4 kernels take bfloat16 where the CPU has native bf16, float32 elsewhere.
+        self.dtype = {0: compute_dtype(dtype, param.dtype, param.device),
+                      4: torch.bfloat16 if native_bf16() else torch.float32, 8: param.dtype}[quantize]
         config_positions: int = getattr(cfg, "max_position_embeddings", 2048)
         self.max_positions = int(max_positions or config_positions)
         self._signature: tuple = ()

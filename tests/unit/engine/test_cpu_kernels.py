@@ -17,7 +17,7 @@ from specrl.runtime.engine import (
     cpu_kernels,
     cpu_kernels_f32,
 )
-from specrl.runtime.engine.model_runner import Int4Dense, TransformerRunner
+from specrl.runtime.engine.model_runner import Int4Dense, TransformerRunner, native_bf16
 from specrl.runtime.engine.proposers.draft_model import DraftModelProposer
 
 from .conftest import VOCAB, make_model, reference_probs
@@ -28,6 +28,10 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
 
 needs_f32_kernels = pytest.mark.skipif(not cpu_kernels_f32.available(),
                                        reason="no AVX2/FMA or no C++ compiler here: float32 runs its ATen path")
+
+# the 4-bit drafter's kernels: bfloat16 activations where the CPU has native bf16, float32 on AVX2 CPUs
+needs_q4_kernels = pytest.mark.skipif(not (cpu_kernels.available() if native_bf16() else cpu_kernels_f32.available()),
+                                      reason="no 4-bit CPU kernels here: quantized_self drafts through ATen")
 
 
 def test_kernels_build_wherever_the_cpu_and_toolchain_allow() -> None:
@@ -118,7 +122,35 @@ def test_linear_q4_matches_its_dequantized_weights() -> None:
     q = torch.round((grouped - grouped.amin(-1, keepdim=True)) / s.unsqueeze(-1)).clamp(0, 15)
     ref = x.float() @ (q * s.unsqueeze(-1) + mn.unsqueeze(-1)).view(96, 128).t()
     y = dense(x).float()
-    assert float((y - ref).norm() / ref.norm()) < 0.03  # activations are int8 per group of 32
+    assert float((y - ref).norm() / ref.norm()) < 0.03  # activations are int16 per group of 32
+
+
+@needs_f32_kernels
+@pytest.mark.skipif(native_bf16(), reason="CPUs with native bf16 draft in bfloat16 (the test above)")
+@pytest.mark.parametrize("shape", [(96, 128), (203, 544), (70, 32)])
+def test_linear_q4_f32_matches_its_dequantized_weights(shape: tuple[int, int]) -> None:
+    # any number of outputs, inputs in whole groups of 32 (544: 17 groups, a partial unrolled round of 4)
+    n, k = shape
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    dense = Int4Dense(w, bias)
+    assert dense.kernels is cpu_kernels_f32.load() and dense.packed is None  # every row through the kernel
+    # the codes as Int4Dense rounds them (float32 scale), dequantized with the stored bfloat16 scale and min
+    grouped = w.view(n, k // 32, 32)
+    lo = grouped.amin(-1, keepdim=True)
+    q = torch.round((grouped - lo) / ((grouped.amax(-1, keepdim=True) - lo) / 15)).clamp(0, 15)
+    s, mn = dense.q4_sz.float()
+    deq = (q * s.unsqueeze(-1) + mn.unsqueeze(-1)).view(n, k)
+    x = torch.randn(7, k, generator=g)
+    ref = x.double() @ deq.double().t() + bias.double()
+    y = dense(x)
+    assert y.dtype == torch.float32 and y.shape == (7, n)
+    assert float((y.double() - ref).norm() / ref.norm()) < 1e-3  # int16 activations: ~1e-4 here
+    # a row's result does not depend on the rows computed with it (pairs share the unpacked weights)
+    alone = torch.cat([dense(x[i : i + 1]) for i in range(7)])
+    for rows in (2, 3, 5, 7):
+        assert torch.equal(dense(x[:rows]), alone[:rows]), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -176,7 +208,7 @@ def wide_target() -> torch.nn.Module:
     return make_model("llama", layers=2, hidden=64, seed=4, head_std=0.5)
 
 
-@needs_kernels
+@needs_q4_kernels
 def test_quantized_self_at_batch_1_greedy_equals_plain(wide_target: torch.nn.Module) -> None:
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
@@ -190,17 +222,17 @@ def test_quantized_self_at_batch_1_greedy_equals_plain(wide_target: torch.nn.Mod
     assert engine.stats.draft_tokens > 0
 
 
-@needs_kernels
+@needs_q4_kernels
 def test_quantized_self_at_batch_1_is_lossless(wide_target: torch.nn.Module) -> None:
     """Three-token continuations drawn one sequence at a time (so every draft goes through the 4-bit batch-1
-    kernel) against the exact law of the engine's own bf16 target (chi-square, top-k 2: 8 outcomes)."""
+    kernel) against the exact law of the engine's own target (chi-square, top-k 2: 8 outcomes)."""
     n, k, top_k, prompt = 300, 3, 2, [3, 1, 4]
     engine = RolloutEngine(wide_target, SpeculativeConfig(method="quantized_self", num_speculative_tokens=2),
                            max_batch_size=1, dtype="auto")
     outs = engine.generate([prompt] * n, [SamplingParams(temperature=1.0, top_k=top_k, max_new_tokens=k, seed=s)
                                           for s in range(n)])
     assert engine.stats.draft_tokens > engine.stats.accepted_tokens > 0
-    runner = TransformerRunner(wide_target, dtype=torch.bfloat16)
+    runner = TransformerRunner(wide_target, dtype="auto")  # the engine's own target
     law: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.inference_mode():
         for _ in range(k):

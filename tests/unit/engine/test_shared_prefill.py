@@ -44,7 +44,7 @@ def test_sharing_changes_no_token_and_no_logprob(method: str, temperature: float
     if not (method == "quantized_self" and not Int4Dense.available(torch.device("cpu"))):
         assert shared == plain  # token ids, logprobs (bit for bit) and finish reasons
     elif temperature == 0.0:
-        # The int8 drafter (CPUs without native bf16) quantizes activations per call, over every row drafted
+        # The int8 drafter (CPUs without 4-bit kernels) quantizes activations per call, over every row drafted
         # together, so its proposals depend on which rows share a step; the verification then covers other
         # positions, and the float32 per-op attention rounds the same position differently in another block
         # (last bits). Greedy tokens stay exactly the same. (At temperature 1 other proposals consume a request's
@@ -54,7 +54,9 @@ def test_sharing_changes_no_token_and_no_logprob(method: str, temperature: float
             assert a == pytest.approx(b, abs=1e-5)
     assert off.stats.prefill_rows == len(PROMPTS)
     assert on.stats.prefill_rows < off.stats.prefill_rows
-    assert on.stats.prefill_forwards < off.stats.prefill_forwards  # some joiners copied a live sibling's prompt
+    # a wave saves its forward only when every joiner in it copies; which joiners share a wave follows when the
+    # others finish (each drafter's acceptance), so fewer forwards is not guaranteed, fewer rows is
+    assert on.stats.prefill_forwards <= off.stats.prefill_forwards
     if method != "none":
         assert on.stats.sd_steps > 0
 
