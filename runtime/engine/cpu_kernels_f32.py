@@ -154,13 +154,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 }
 
 // ---- 4-bit weights (the quantized_self drafter) ---------------------------------------------------------------
-// Layout (`pack_q4`): per output row, per group of 32 inputs 16 bytes, byte j = q[32g + j] | q[32g + 16 + j] << 4
-// (q in 0..15), and per group a bfloat16 scale and min (w = scale * q + min), [N, K/32] each: 5 bits a weight, a
-// sixth of float32's bytes. Activations are quantized to int16 per group of 32 (scale max|x| / 32767; the bf16
-// kernels found int8 activations cost SmolLM2's drafter acceptance 0.93 -> 0.79), so `vpmaddwd` does 16 products a
-// instruction: sum_k w_k x_k = sum_g scale_g xscale_g sum_{k in g} q_k x16_k + sum_g min_g sum_{k in g} x_k.
-// Each row is quantized and accumulated on its own, in the same order whatever rows come with it (batch-invariant).
-// A drafter need not be exact: the rejection sampler uses the distribution it actually drafted from.
+// w = scale_g * q + min_g, q in 0..15, per group g of 32 inputs (GGUF Q4_1). Layout (`pack_q4`): blocks of 8 output
+// columns; per block and group, each column's 32 codes in 16 bytes (byte j = q[32g + j] | q[32g + 16 + j] << 4),
+// and the block's bfloat16 scales and mins [blocks, G, 8]: 5 bits a weight, under a sixth of float32's bytes.
+// Activations are quantized to int16 per group of 32 (scale max|x| / 32767; the bf16 kernels found int8 activations
+// cost SmolLM2's drafter acceptance 0.93 -> 0.79):
+//   y = sum_g S_g (scale_g xscale_g) + min_g xsum_g,   S_g = sum_{k in g} q_k x16_k,
+// where S_g is an exact integer (`vpmaddwd`), folded into each column's lane in the order of g: a row's result is the
+// same bits whatever rows it is computed with. (Tried: float32 FMAs over codes unpacked once per block for many
+// rows, which give the same bits since S_g < 2^24 — 2-4x slower than `vpmaddwd`'s 16 products an instruction even
+// at 64 rows.) A drafter need not be exact: the rejection sampler uses the distribution it actually drafted from.
 struct XQ {
   std::vector<int16_t> q;     // [M, K]
   std::vector<float> scale;   // [M, G]
@@ -199,106 +202,94 @@ static inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-// Products of one group of 32 inputs with MB rows, added to accumulator `a` of each row.
-template <int MB>
-static inline void group_q4(const uint8_t* w, const int16_t* const* x, const float* const* comb, int64_t j,
-                            __m256 (&acc)[MB][4], int a) {
-  const __m128i lo = _mm_set1_epi8(0x0F);
-  const __m128i packed = _mm_loadu_si128((const __m128i*)(w + j * 16));
-  const __m256i qa = _mm256_cvtepu8_epi16(_mm_and_si128(packed, lo));                     // inputs 32j .. 32j+15
-  const __m256i qb = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), lo));  // 32j+16 .. 32j+31
-  _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r) {
-    const __m256i d = _mm256_add_epi32(_mm256_madd_epi16(qa, _mm256_loadu_si256((const __m256i*)(x[r] + j * 32))),
-                                       _mm256_madd_epi16(qb, _mm256_loadu_si256((const __m256i*)(x[r] + j * 32 + 16))));
-    acc[r][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(comb[r] + j), acc[r][a]);
-  }
+// acc += S_g * (scale_g * xscale_g); acc += min_g * xsum_g
+static inline __m256 fold_group(__m256 acc, __m256 sums, const uint16_t* S, const uint16_t* Mn, float xs, float xsum) {
+  acc = _mm256_fmadd_ps(sums, _mm256_mul_ps(load_bf16x8(S), _mm256_set1_ps(xs)), acc);
+  return _mm256_fmadd_ps(load_bf16x8(Mn), _mm256_set1_ps(xsum), acc);
 }
 
-// One output column for MB rows: four accumulators a row (group j into j % 4, whatever MB, so a row's sum is the
-// same alone or paired): one chain of FMAs would wait out the FMA latency on every group.
+// One block of 8 columns for MB rows: per group, each column's codes against each row by `vpmaddwd` (16 products an
+// instruction), the 8 columns' integer sums reduced into the 8 lanes of one vector, then folded in by two FMAs.
 template <int MB>
-static inline void column_q4(const uint8_t* w, const int16_t* const* x, const float* const* comb, int64_t G,
-                             float* out) {
-  __m256 acc[MB][4];
-  _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 4 <= G; j += 4) {
-    group_q4<MB>(w, x, comb, j, acc, 0);
-    group_q4<MB>(w, x, comb, j + 1, acc, 1);
-    group_q4<MB>(w, x, comb, j + 2, acc, 2);
-    group_q4<MB>(w, x, comb, j + 3, acc, 3);
-  }
-  for (; j < G; ++j) {
-    switch (j & 3) {
-      case 0: group_q4<MB>(w, x, comb, j, acc, 0); break;
-      case 1: group_q4<MB>(w, x, comb, j, acc, 1); break;
-      default: group_q4<MB>(w, x, comb, j, acc, 2); break;
+static void block_q4(const XQ& xq, int64_t m0, const uint8_t* W, const uint16_t* S, const uint16_t* Mn, int64_t G,
+                          int64_t K, __m256 (&acc)[MB]) {
+  const __m128i lo = _mm_set1_epi8(0x0F);
+  for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* w = W + g * 128;
+    __m256i xa[MB], xb[MB], t[MB][4];
+    _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r) {
+      const int16_t* x = xq.q.data() + (m0 + r) * K + g * 32;
+      xa[r] = _mm256_loadu_si256((const __m256i*)x);
+      xb[r] = _mm256_loadu_si256((const __m256i*)(x + 16));
+    }
+    _Pragma("GCC unroll 4") for (int c = 0; c < 8; c += 2) {
+      const __m128i p0 = _mm_loadu_si128((const __m128i*)(w + c * 16));
+      const __m128i p1 = _mm_loadu_si128((const __m128i*)(w + c * 16 + 16));
+      const __m256i a0 = _mm256_cvtepu8_epi16(_mm_and_si128(p0, lo));
+      const __m256i b0 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p0, 4), lo));
+      const __m256i a1 = _mm256_cvtepu8_epi16(_mm_and_si128(p1, lo));
+      const __m256i b1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p1, 4), lo));
+      _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r) {
+        const __m256i d0 = _mm256_add_epi32(_mm256_madd_epi16(a0, xa[r]), _mm256_madd_epi16(b0, xb[r]));
+        const __m256i d1 = _mm256_add_epi32(_mm256_madd_epi16(a1, xa[r]), _mm256_madd_epi16(b1, xb[r]));
+        t[r][c / 2] = _mm256_hadd_epi32(d0, d1);
+      }
+    }
+    _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r) {
+      const __m256i u0 = _mm256_hadd_epi32(t[r][0], t[r][1]), u1 = _mm256_hadd_epi32(t[r][2], t[r][3]);
+      const __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+      acc[r] = fold_group(acc[r], _mm256_cvtepi32_ps(s), S + g * 8, Mn + g * 8, xq.scale[(m0 + r) * G + g],
+                          xq.sum[(m0 + r) * G + g]);
     }
   }
-  _Pragma("GCC unroll 2") for (int r = 0; r < MB; ++r)
-    out[r] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
 }
 
-// Y[M, N] = X[M, K] W^T for 4-bit W: per output column, pairs of rows share each group's unpacked weights.
+// Y[M, N] = X[M, K] W^T for 4-bit W, by blocks of 8 columns, pairs of rows sharing each group's unpacked codes.
 static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, const uint16_t* S, const uint16_t* Mn, float* Y,
                       int64_t K, int64_t N) {
-  const int64_t G = K / 32, G8 = G / 8 * 8;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sc(G), mn(G), comb(2 * G);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* wr = Wq + n * (K / 2);
-      int64_t g = 0;
-      for (; g < G8; g += 8) {
-        _mm256_storeu_ps(sc.data() + g, load_bf16x8(S + n * G + g));
-        _mm256_storeu_ps(mn.data() + g, load_bf16x8(Mn + n * G + g));
-      }
-      for (; g < G; ++g) {
-        uint32_t s = (uint32_t)S[n * G + g] << 16, b = (uint32_t)Mn[n * G + g] << 16;
-        std::memcpy(&sc[g], &s, 4); std::memcpy(&mn[g], &b, 4);
-      }
+  const int64_t G = K / 32, blocks = (N + 7) / 8;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  at::parallel_for(0, blocks, 8, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const uint8_t* W = Wq + j * G * 128;
+      const uint16_t* s = S + j * G * 8;
+      const uint16_t* mn = Mn + j * G * 8;
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(8, N - j * 8)), lane);
       for (int64_t m0 = 0; m0 < M; m0 += 2) {
-        const int mb = (int)std::min<int64_t>(2, M - m0);
-        float bias[2], out[2];
-        const int16_t* x[2];
-        const float* cr[2];
-        for (int r = 0; r < mb; ++r) {
-          const float* xs = xq.scale.data() + (m0 + r) * G;
-          const float* xsum = xq.sum.data() + (m0 + r) * G;
-          __m256 bv = _mm256_setzero_ps();  // in lanes: a scalar sum would be a chain of dependent adds
-          int64_t j = 0;
-          for (; j < G8; j += 8) {
-            _mm256_storeu_ps(comb.data() + r * G + j, _mm256_mul_ps(_mm256_loadu_ps(sc.data() + j),
-                                                                    _mm256_loadu_ps(xs + j)));
-            bv = _mm256_fmadd_ps(_mm256_loadu_ps(mn.data() + j), _mm256_loadu_ps(xsum + j), bv);
-          }
-          float b = hsum8(bv);
-          for (; j < G; ++j) { comb[r * G + j] = sc[j] * xs[j]; b += mn[j] * xsum[j]; }
-          bias[r] = b;
-          x[r] = xq.q.data() + (m0 + r) * K;
-          cr[r] = comb.data() + r * G;
+        if (M - m0 >= 2) {
+          __m256 acc[2];
+          block_q4<2>(xq, m0, W, s, mn, G, K, acc);
+          for (int r = 0; r < 2; ++r) _mm256_maskstore_ps(Y + (m0 + r) * N + j * 8, mask, acc[r]);
+        } else {
+          __m256 acc[1];
+          block_q4<1>(xq, m0, W, s, mn, G, K, acc);
+          _mm256_maskstore_ps(Y + m0 * N + j * 8, mask, acc[0]);
         }
-        if (mb == 2) column_q4<2>(wr, x, cr, G, out);
-        else column_q4<1>(wr, x, cr, G, out);
-        for (int r = 0; r < mb; ++r) Y[(m0 + r) * N + n] = out[r] + bias[r];
       }
     }
   });
 }
 
 std::vector<torch::Tensor> pack_q4(torch::Tensor q, torch::Tensor scale, torch::Tensor mn) {
-  // q int [N, K] in 0..15 (K a multiple of 32); scale, mn float [N, K/32] -> (packed uint8 [N, K/2], bf16 scale, min)
+  // q int [N, K] in 0..15 (K a multiple of 32); scale, mn float [N, K/32] -> packed uint8 [blocks, G, 8, 16] and
+  // bf16 scale, min [blocks, G, 8] (columns past N: codes, scale and min 0)
   auto qi = q.to(torch::kUInt8).contiguous();
-  const int64_t N = qi.size(0), K = qi.size(1);
+  const int64_t N = qi.size(0), K = qi.size(1), G = K / 32, blocks = (N + 7) / 8;
   TORCH_CHECK(K % 32 == 0, "pack_q4: the number of inputs must be a multiple of 32");
-  auto out = torch::empty({N, K / 2}, torch::TensorOptions().dtype(torch::kUInt8));
+  auto out = torch::zeros({blocks, G, 8, 16}, torch::TensorOptions().dtype(torch::kUInt8));
   const uint8_t* src = qi.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t g = 0; g < K / 32; ++g)
+    for (int64_t g = 0; g < G; ++g)
       for (int j = 0; j < 16; ++j)
-        dst[n * (K / 2) + g * 16 + j] = src[n * K + g * 32 + j] | (src[n * K + g * 32 + 16 + j] << 4);
-  return {out, scale.to(torch::kBFloat16).contiguous(), mn.to(torch::kBFloat16).contiguous()};
+        dst[(((n / 8) * G + g) * 8 + n % 8) * 16 + j] = src[n * K + g * 32 + j] | (src[n * K + g * 32 + 16 + j] << 4);
+  auto lay = [&](torch::Tensor t) {  // [N, G] -> [blocks, G, 8]
+    auto f = torch::zeros({blocks * 8, G}, torch::TensorOptions().dtype(torch::kFloat32));
+    f.narrow(0, 0, N).copy_(t.to(torch::kFloat32));
+    return f.view({blocks, 8, G}).transpose(1, 2).contiguous().to(torch::kBFloat16);
+  };
+  return {out, lay(scale), lay(mn)};
 }
 
 static void linear_q4_into(const float* x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -312,9 +303,9 @@ static void linear_q4_into(const float* x, const torch::Tensor& packed, const to
 }
 
 torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor mn,
-                        c10::optional<torch::Tensor> bias) {
+                        c10::optional<torch::Tensor> bias, int64_t N) {
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t M = x2.size(0), K = x2.size(1), N = packed.size(0);
+  const int64_t M = x2.size(0), K = x2.size(1);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());

@@ -218,7 +218,6 @@ class Int4Dense:
         self.f32 = weight.dtype == torch.float32 and self.f32_kernels() is not None
         if self.f32:
             self.kernels = self.f32_kernels()
-            self.small_rows = -1  # every row
         else:
             # the kernel computes (q - 8)·scale + zero
             zero = lo + 8 * scale
@@ -227,7 +226,6 @@ class Int4Dense:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # ATen's int4 kernel is compute-bound at one row on the AVX512 Xeon; from 4 rows on it is the faster one
             self.kernels = cpu_kernels.load() if k % 64 == 0 else None
-            self.small_rows = 2
         if self.kernels is not None:
             self.q4_packed, s, mn = self.kernels.pack_q4(q, scale.view(n, -1), lo.view(n, -1))
             self.q4_sz = torch.stack([s, mn])
@@ -251,7 +249,9 @@ class Int4Dense:
         return weight.shape[1] % cls.GROUP == 0 and (f32 or weight.shape[0] % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and (self.f32 or x.numel() <= self.small_rows * x.shape[-1]):
+        if self.f32:
+            return self.kernels.linear_q4(x, self.q4_packed, self.q4_sz[0], self.q4_sz[1], self.bias, self.out_features)
+        if self.kernels is not None and x.numel() <= 2 * x.shape[-1]:
             return self.kernels.linear_q4(x.contiguous(), self.q4_packed, self.q4_sz[0], self.q4_sz[1], self.bias)
         assert self.packed is not None
         shape = x.shape

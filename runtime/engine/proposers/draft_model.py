@@ -93,6 +93,9 @@ class DraftModelProposer(Proposer):
         if width == 1:
             inp = torch.tensor(chunks, dtype=torch.int64, device=dev)
             last = None
+        elif all(len(c) == width for c in chunks):  # no padding: the runner's fused decode path takes it
+            inp = torch.tensor(chunks, dtype=torch.int64, device=dev)
+            last = torch.full((b,), width - 1, dtype=torch.int64, device=dev)
         else:
             lens = [len(c) for c in chunks]
             inp = torch.tensor([c + [0] * (width - len(c)) for c in chunks], dtype=torch.int64, device=dev)

@@ -129,7 +129,7 @@ def test_linear_q4_matches_its_dequantized_weights() -> None:
 @pytest.mark.skipif(native_bf16(), reason="CPUs with native bf16 draft in bfloat16 (the test above)")
 @pytest.mark.parametrize("shape", [(96, 128), (203, 544), (70, 32)])
 def test_linear_q4_f32_matches_its_dequantized_weights(shape: tuple[int, int]) -> None:
-    # any number of outputs, inputs in whole groups of 32 (544: 17 groups, a partial unrolled round of 4)
+    # any number of outputs (blocks of 8, a partial last one), inputs in whole groups of 32
     n, k = shape
     g = torch.Generator().manual_seed(2)
     w = torch.randn(n, k, generator=g)
@@ -140,17 +140,18 @@ def test_linear_q4_f32_matches_its_dequantized_weights(shape: tuple[int, int]) -
     grouped = w.view(n, k // 32, 32)
     lo = grouped.amin(-1, keepdim=True)
     q = torch.round((grouped - lo) / ((grouped.amax(-1, keepdim=True) - lo) / 15)).clamp(0, 15)
-    s, mn = dense.q4_sz.float()
+    s, mn = (t.transpose(1, 2).reshape(-1, k // 32)[:n] for t in dense.q4_sz.float())  # [blocks, G, 8] -> [N, G]
     deq = (q * s.unsqueeze(-1) + mn.unsqueeze(-1)).view(n, k)
     x = torch.randn(7, k, generator=g)
     ref = x.double() @ deq.double().t() + bias.double()
     y = dense(x)
     assert y.dtype == torch.float32 and y.shape == (7, n)
     assert float((y.double() - ref).norm() / ref.norm()) < 1e-3  # int16 activations: ~1e-4 here
-    # a row's result does not depend on the rows computed with it (pairs share the unpacked weights)
+    # a row's result does not depend on the rows computed with it (pairs of rows share the unpacked codes)
     alone = torch.cat([dense(x[i : i + 1]) for i in range(7)])
     for rows in (2, 3, 5, 7):
         assert torch.equal(dense(x[:rows]), alone[:rows]), rows
+    assert torch.equal(dense(x.view(7, 1, k)), alone.view(7, 1, n))  # any leading shape
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
