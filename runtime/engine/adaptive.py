@@ -28,9 +28,9 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
 
 Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
 their draft time is not recorded; their verify time and acceptance are. The engine prefills on admission only the
-drafters this policy names warm (`warm_proposers`: the one running and the argmax at batch 1); the others catch up
-from the prompt when a probe or a switch first runs them. Nothing here touches the sampling RNG:
-the choice never changes the distribution of the sampled tokens (every option is lossless).
+drafters this policy names warm (`warm_proposers`: the one running and, if cheap, the argmax at batch 1); the others
+catch up from the prompt when a probe or a switch first runs them. Nothing here touches the sampling RNG: the
+choice never changes the distribution of the sampled tokens (every option is lossless).
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ class AdaptiveSettings:
     alpha_memory: float = 256.0
     prior_alpha: float = 0.6
     refresh: int = 8  # steps between recomputations of one batch size's table of options
+    # The tail's choice is prefilled on every admission only if a draft token costs at most this many plain steps
+    # at batch 1: its prompt prefill then adds about that share to the target's. A costlier drafter (quantized_self,
+    # a 4-bit copy of the whole policy: ~0.24 on SmolLM2 here) catches up only on the rows that reach the tail.
+    warm_max_draft_cost: float = 0.15
     clock: str = "wall"  # "cpu" on shared CPU machines, see control.StepClock
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class AdaptiveSettings:
         if self.hysteresis < 0 or not 0 <= self.probe <= 1 or not 0 <= self.probe_optimism <= 1:
             raise ValueError(f"hysteresis must be >= 0, probe and probe_optimism in [0, 1], got {self.hysteresis}, "
                              f"{self.probe}, {self.probe_optimism}")
+        if self.warm_max_draft_cost < 0:
+            raise ValueError(f"warm_max_draft_cost must be >= 0, got {self.warm_max_draft_cost}")
         if not self.alpha_memory > 0:
             raise ValueError(f"alpha_memory must be > 0, got {self.alpha_memory}")
         if self.window < 1 or self.refresh < 1 or self.probe_run < 1 or self.probe_max_batch < 1:
@@ -260,14 +266,19 @@ class AdaptiveController:
 
     def warm_proposers(self) -> list[str]:
         """The proposers the engine prefills on admission: the one running and the argmax at batch 1 (the tail,
-        which every sequence reaches); before any estimate, all of them (each is probed first). The rest catch up
-        on a sequence's prompt when a probe or a switch first runs them."""
+        which every sequence reaches) if its drafting is cheap (`warm_max_draft_cost`); before any estimate, all
+        of them (each is probed first). The rest catch up on a sequence's prompt when a probe or a switch first
+        runs them."""
         if not self.settings.adaptive:
             return self.methods[:1]
         if self.costs is None:
             return list(self.methods)
         tail = self.table(1)
         best = tail[max(tail, key=lambda k: tail[k][0])][1].method if tail else None
+        if best is not None and best != self.current.method:
+            one, two = self.costs.draft_ratios(best, 1, (1, 2)).values()
+            if two - one > self.settings.warm_max_draft_cost:
+                best = None
         return list(dict.fromkeys(m for m in (self.current.method, best) if m))
 
     # -- estimates -------------------------------------------------------------------------------------------

@@ -382,6 +382,24 @@ def test_warm_proposers_are_the_running_one_and_the_tail_choice() -> None:
     assert FixedController("ngram", 3).warm_proposers() == ("ngram",)
 
 
+def test_a_costly_tail_drafter_is_not_prefilled_on_every_admission() -> None:
+    # quantized_self, a 4-bit copy of the whole policy, drafts a token for ~0.25 plain steps: prefilling it for
+    # every admitted prompt would add about that to every admission, for the few rows that reach the tail
+    model = memory_bound_model()
+    model.draft_step["quantized_self"] = {b: 0.25 * t for b, t in model.target_step.items()}
+    ctrl = AdaptiveController(["draft_model", "quantized_self"], cost_model=model,
+                              alpha_priors={"draft_model": 0.5, "quantized_self": 0.95},
+                              settings=AdaptiveSettings(probe=0.0))
+    assert ctrl.table(1)["quantized_self"][0] > ctrl.table(1)["draft_model"][0]  # the tail's choice
+    assert ctrl.decide(64) == AR
+    assert ctrl.warm_proposers() == []
+    ctrl.settings.warm_max_draft_cost = 0.3
+    assert ctrl.warm_proposers() == ["quantized_self"]
+    ctrl.settings.warm_max_draft_cost = 0.15
+    ctrl.current = Decision("quantized_self", 4)  # the running one is always warm
+    assert ctrl.warm_proposers() == ["quantized_self"]
+
+
 def test_a_choice_that_runs_slower_than_predicted_is_left_within_a_few_steps() -> None:
     # The calibration (short sequences) priced quantized_self's drafting at a sixth of what it costs in the workload:
     # the policy picks it, and the measured steps must correct the estimate, and the choice, at once (on the
