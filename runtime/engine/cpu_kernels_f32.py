@@ -13,6 +13,10 @@ benchmark policy's 8 layers of matmuls: 5.3-6.5 ms for 1-6 rows (the 16-20 GB/s 
 13.5 ms for 16, where oneDNN's packed GEMM takes 8-12 / 13-15 / 19-24 ms. Every output is
 the same sequence of fused multiply-adds whatever the batch, so a row's result does not depend on the rows computed
 with it: plain decoding, a verification and any batch composition give bit-identical logits for a sequence.
+
+The quantized_self drafter's 4-bit weights (`pack_q4`, `linear_q4`, and 4-bit layers in `decode_layers`) read 5 bits
+a weight with int16 activations, each group's sum an exact integer (`vpmaddwd`): SmolLM2's stack at one row in
+8-10 ms where float32 takes 23-27 (see the comment above `XQ` in the source).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ per-channel weights (re-quantized from the policy on refresh); `quantize_bits` p
 
 On a CPU with AVX512-BF16 (and a C++ compiler), bfloat16 and 4-bit runners take `cpu_kernels` for decode-sized
 forwards (`FUSED_ROWS`: a few tokens of a few sequences — decode steps, their verification, drafting): the whole
-layer stack in one C++ call, each token computed exactly as a one-token batch-1 step computes it; float32 runners
-take `cpu_kernels_f32` alike on a CPU with AVX2 and FMA. Larger forwards keep the per-op path, whose few-token
-forwards share the same attention routine.
+layer stack in one C++ call, each token computed exactly as a one-token batch-1 step computes it; float32 runners,
+4-bit ones included, take `cpu_kernels_f32` alike on a CPU with AVX2 and FMA. Larger forwards keep the per-op path,
+whose few-token forwards share the same attention routine.
 """
 
 from __future__ import annotations
