@@ -216,7 +216,7 @@ static inline __m256 fold_group(__m256 acc, __m256 sums, const uint16_t* S, cons
 // instruction), the 8 columns' integer sums reduced into the 8 lanes of one vector, then folded in by two FMAs.
 template <int MB>
 static void block_q4(const XQ& xq, int64_t m0, const uint8_t* W, const uint16_t* S, const uint16_t* Mn, int64_t G,
-                          int64_t K, __m256 (&acc)[MB]) {
+                     int64_t K, __m256 (&acc)[MB]) {
   const __m128i lo = _mm_set1_epi8(0x0F);
   for (int r = 0; r < MB; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -410,7 +410,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, int64_
   return out;
 }
 
-// One weight of the fused stack: float32 packed by `pack_f32`, or 4-bit (`sz` = stack(scale, min), [2, N, K/32]).
+// One weight of the fused stack: float32 packed by `pack_f32`, or 4-bit by `pack_q4` (`sz` = stack(scale, min)).
 static void apply(const torch::Tensor& w, const c10::optional<torch::Tensor>& sz,
                   const c10::optional<torch::Tensor>& bias, const float* x, float* y, int64_t M, int64_t K, int64_t N) {
   if (sz) linear_q4_into(x, w, (*sz)[0], (*sz)[1], bias ? P(*bias) : nullptr, y, M, K, N);
