@@ -145,15 +145,18 @@ static void matmul(const float* X, const float* Wp, const float* bias, float* Y,
     for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) Y[m * N + n] += bias[n];
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N) {
-  // w: packed by `pack_f32` from an [N, K] weight
-  auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t M = x2.size(0), K = x2.size(1);
+// x [..., K] as a contiguous [M, K] matrix, and the output [..., N] the linear functions fill
+static std::pair<torch::Tensor, torch::Tensor> rows_and_output(const torch::Tensor& x, int64_t N) {
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
+  return {x.reshape({-1, x.size(-1)}).contiguous(), torch::empty(sizes, x.options())};
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N) {
+  // w: packed by `pack_f32` from an [N, K] weight
+  auto [x2, y] = rows_and_output(x, N);
   FlushDenormals ftz;
-  matmul(P(x2), P(w), bias ? P(*bias) : nullptr, PM(y), M, K, N);
+  matmul(P(x2), P(w), bias ? P(*bias) : nullptr, PM(y), x2.size(0), x2.size(1), N);
   return y;
 }
 
@@ -308,13 +311,9 @@ static void linear_q4_into(const float* x, const torch::Tensor& packed, const to
 
 torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor mn,
                         c10::optional<torch::Tensor> bias, int64_t N) {
-  auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t M = x2.size(0), K = x2.size(1);
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  auto y = torch::empty(sizes, x.options());
+  auto [x2, y] = rows_and_output(x, N);
   FlushDenormals ftz;
-  linear_q4_into(P(x2), packed, scale, mn, bias ? P(*bias) : nullptr, PM(y), M, K, N);
+  linear_q4_into(P(x2), packed, scale, mn, bias ? P(*bias) : nullptr, PM(y), x2.size(0), x2.size(1), N);
   return y;
 }
 
