@@ -43,6 +43,10 @@ class StepRecord:
     # draft positions actually tested: per row min(accepted + 1, drafted) — accepted / tried is the MLE of the
     # per-token acceptance probability (0 when unknown)
     tried_tokens: int = 0
+    # per draft position j (0-based): rows whose draft j was tested (drafts before it accepted) and accepted;
+    # tested_at[j] / accepted_at[j] summed over j give tried_tokens / accepted_tokens (empty when unknown)
+    tested_at: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -2,6 +2,9 @@
 
 A round with draft length γ and per-token acceptance α emits L = (1 − α^(γ+1)) / (1 − α) tokens and costs
 d + v plain steps (d: drafting γ tokens, the proposer's fixed work per round included; v: verifying γ+1 tokens).
+Where acceptance is known per draft position (p_j: the chance that draft j is accepted given drafts 1..j−1 were),
+L = 1 + Σ_{i≤γ} Π_{j≤i} p_j instead (`Acceptance`): the geometric law overrates long drafts when later positions
+are accepted less often.
 `CostModel` holds the measured seconds behind d and v per batch size and length, interpolated in between (and the
 calibration's per-token r and per-round a, a straight-line fit of d, for reports and the simulator).
 """
@@ -26,6 +29,32 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     if alpha >= 1.0 - 1e-12:
         return float(gamma + 1)
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+# Acceptance: one α for every draft position, or the conditional acceptance p_1, p_2, ... of each position (the last
+# one holds for every position beyond).
+Acceptance = float | Sequence[float]
+
+
+def round_lengths(acceptance: Acceptance, gammas: Iterable[int]) -> dict[int, float]:
+    """Expected tokens emitted by one round (bonus token included) for each γ in `gammas`."""
+    gammas = list(gammas)
+    if isinstance(acceptance, (int, float)):
+        return {g: expected_tokens_per_round(float(acceptance), g) for g in gammas}
+    if not acceptance:
+        raise ValueError("acceptance: needs at least one position")
+    if any(not 0.0 <= p <= 1.0 for p in acceptance):
+        raise ValueError(f"acceptance: every position must lie in [0, 1], got {list(acceptance)}")
+    out, total, survive = {}, 1.0, 1.0
+    wanted = set(gammas)
+    for i in range(1, max(gammas, default=0) + 1):
+        survive *= acceptance[min(i, len(acceptance)) - 1]
+        total += survive
+        if i in wanted:
+            out[i] = total
+    if 0 in wanted:
+        out[0] = 1.0
+    return {g: out[g] for g in gammas}
 
 
 def predicted_speedup(alpha: float, gamma: int, r: float, v: float) -> float:
@@ -209,16 +238,18 @@ class CostModel:
         """Cost of one speculative round in plain steps: drafting γ tokens plus verifying γ+1."""
         return self.draft_ratios(method, batch, (gamma,))[gamma] + self.v(batch, gamma)
 
-    def speedup(self, method: str, gamma: int, batch: int, alpha: float) -> float:
-        return expected_tokens_per_round(alpha, gamma) / self.round_cost(method, gamma, batch)
+    def speedup(self, method: str, gamma: int, batch: int, acceptance: Acceptance) -> float:
+        return round_lengths(acceptance, (gamma,))[gamma] / self.round_cost(method, gamma, batch)
 
-    def best_gamma(self, method: str, batch: int, alpha: float, gammas: Iterable[int]) -> tuple[int, float]:
+    def best_gamma(self, method: str, batch: int, acceptance: Acceptance, gammas: Iterable[int]
+                   ) -> tuple[int, float]:
         """The γ in `gammas` with the highest predicted speedup (shorter on ties), and that speedup."""
         gs = sorted(gammas)
         v, d = self.verify_ratios(batch, gs), self.draft_ratios(method, batch, gs)
+        lengths = round_lengths(acceptance, gs)
         best = (-1.0, 0)
         for g in gs:
-            s = expected_tokens_per_round(alpha, g) / (d[g] + v[g])
+            s = lengths[g] / (d[g] + v[g])
             if s > best[0]:
                 best = (s, g)
         return best[1], best[0]

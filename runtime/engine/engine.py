@@ -580,23 +580,29 @@ class RolloutEngine:
         self._truncate_proposers(active)
         drafted = sum(row_lens)
         accepted = sum(nacc)
-        tried = sum(min(a + 1, n) for a, n in zip(nacc, row_lens))
+        # per draft position: rows that tested it (accepted every draft before it) and rows that accepted it
+        tested_at, accepted_at = [0] * gamma, [0] * gamma
+        for a, n in zip(nacc, row_lens):
+            for j in range(min(a + 1, n)):
+                tested_at[j] += 1
+            for j in range(a):
+                accepted_at[j] += 1
+        tried = sum(tested_at)
         self.stats.drafts += sum(1 for n in row_lens if n > 0)
         self.stats.draft_tokens += drafted
         self.stats.accepted_tokens += accepted
         per_pos = self.stats.accepted_per_position
-        for n in nacc:
-            if n > len(per_pos):
-                per_pos.extend([0] * (n - len(per_pos)))
-            for j in range(n):
-                per_pos[j] += 1
+        if len(per_pos) < gamma:
+            per_pos.extend([0] * (gamma - len(per_pos)))
+        for j, n in enumerate(accepted_at):
+            per_pos[j] += n
         self.stats.target_forwards += 1
         self.stats.sd_steps += 1
         t2 = time.perf_counter()
         self.stats.decode_seconds += t2 - t0
         self._step += 1
         return StepRecord(self._step, decision.method, gamma, b, drafted, accepted, emitted, t2 - t0, t1 - t0, t2 - t1,
-                          tried)
+                          tried, tuple(tested_at), tuple(accepted_at))
 
     def _warm_proposers(self) -> list[Proposer]:
         """The proposers to prefill on admission: those the controller names (`Controller.warm_proposers`), else

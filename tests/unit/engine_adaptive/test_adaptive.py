@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 from specrl.runtime.engine.adaptive import (
@@ -22,6 +23,7 @@ from specrl.runtime.engine.adaptive import (
     settings_from_spec,
 )
 from specrl.runtime.engine.control import Decision, FixedController, StepClock, StepRecord
+from specrl.runtime.engine.cost_model import round_lengths
 
 
 def memory_bound_model() -> CostModel:
@@ -39,6 +41,36 @@ def test_expected_tokens_per_round_matches_the_geometric_sum() -> None:
     assert expected_tokens_per_round(1.0, 4) == 5.0
     with pytest.raises(ValueError, match="alpha"):
         expected_tokens_per_round(1.5, 2)
+
+
+def test_round_lengths_per_position() -> None:
+    # one α, or the same α at every position: the geometric sum
+    assert round_lengths(0.8, (0, 3)) == pytest.approx({0: 1.0, 3: expected_tokens_per_round(0.8, 3)})
+    assert round_lengths([0.8], (2, 5)) == pytest.approx(round_lengths(0.8, (2, 5)))
+    # later positions accepted less often: each round's expected length is 1 + Σ of the survival products
+    assert round_lengths([0.9, 0.9, 0.5], (1, 2, 3, 4)) == pytest.approx(
+        {1: 1.9, 2: 2.71, 3: 2.71 + 0.405, 4: 2.71 + 0.405 + 0.2025})
+    for bad in ([], [0.5, 1.2]):
+        with pytest.raises(ValueError, match="acceptance"):
+            round_lengths(bad, (2,))
+
+
+def test_draft_length_follows_acceptance_per_position() -> None:
+    # The first three drafts are accepted 95% of the time, later ones 30%: the pooled α (~0.8) makes the geometric
+    # law draft 8 tokens; acceptance per position finds the true best draft length (4 on this machine) and runs at
+    # the best fixed option's speed.
+    truth = [0.95, 0.95, 0.95, 0.3]
+    machine = Machine({"draft_model": truth}, {"draft_model": 0.03}, c=0.02, seed=11)
+    model = calibrated(machine, ["draft_model"])
+    ctrl = AdaptiveController(["draft_model"], cost_model=model, alpha_priors={"draft_model": 0.9},
+                              settings=AdaptiveSettings())
+    best = model.best_gamma("draft_model", 1, truth, ctrl.settings.gammas())[0]
+    achieved = drive(ctrl, machine, 1, 1500)
+    assert ctrl.choose(1) == Decision("draft_model", best) and best == 4, ctrl.stats()
+    assert ctrl.stats()["acceptance_by_position"]["draft_model"][:4] == pytest.approx(truth, abs=0.1)
+    assert ctrl.costs is not None
+    assert ctrl.costs.best_gamma("draft_model", 1, ctrl.alpha["draft_model"], ctrl.settings.gammas())[0] >= 7
+    assert achieved >= 0.95 * machine.best_fixed(1, 1500), ctrl.stats()
 
 
 def test_predicted_speedup_reproduces_the_testing_note_numbers() -> None:
@@ -103,18 +135,20 @@ def test_draft_length_grows_with_acceptance() -> None:
 
 
 def record(d: Decision, batch: int, accepted: int, seconds: float, draft_seconds: float = 0.0,
-           tried: int = 0) -> StepRecord:
+           tried: int = 0, tested_at: tuple[int, ...] = (), accepted_at: tuple[int, ...] = ()) -> StepRecord:
     drafted = d.gamma * batch if d.method else 0
     return StepRecord(step=0, method=d.method, gamma=d.gamma, batch_size=batch, draft_tokens=drafted,
                       accepted_tokens=accepted, emitted_tokens=batch + accepted, seconds=seconds,
-                      draft_seconds=draft_seconds, target_seconds=seconds - draft_seconds, tried_tokens=tried)
+                      draft_seconds=draft_seconds, target_seconds=seconds - draft_seconds, tried_tokens=tried,
+                      tested_at=tested_at, accepted_at=accepted_at)
 
 
 class Machine:
     """A simulated machine: plain step t(b) = t0 + t1*b, verify of k tokens t(b)*(1 + c*(k-1)*b), draft steps
-    cost r*t(b) per token, acceptance alpha per proposer, catch-up of `catch_up` plain steps on a switch."""
+    cost r*t(b) per token, acceptance alpha per proposer (one for every draft position, or one per position, the
+    last for the rest), catch-up of `catch_up` plain steps on a switch."""
 
-    def __init__(self, alpha: dict[str, float], r: dict[str, float], c: float = 0.03, catch_up: float = 0.0,
+    def __init__(self, alpha: dict[str, Any], r: dict[str, float], c: float = 0.03, catch_up: float = 0.0,
                  seed: int = 0) -> None:
         self.alpha, self.r, self.c, self.catch_up = alpha, r, c, catch_up
         self.seed = seed
@@ -129,19 +163,24 @@ class Machine:
         if d.method is None:
             self.last = None
             return record(d, b, 0, self.t(b) * noise)
-        acc = tried = 0
+        alpha = self.alpha[d.method]
+        per_position = [alpha] * d.gamma if isinstance(alpha, float) else \
+            [alpha[min(j, len(alpha) - 1)] for j in range(d.gamma)]
+        tested, accepted = [0] * d.gamma, [0] * d.gamma
         for _ in range(b):
             n = 0
-            while n < d.gamma and self.rng.random() < self.alpha[d.method]:
+            while n < d.gamma and self.rng.random() < per_position[n]:
+                accepted[n] += 1
                 n += 1
-            acc += n
-            tried += min(n + 1, d.gamma)
+            for j in range(min(n + 1, d.gamma)):
+                tested[j] += 1
+        acc, tried = sum(accepted), sum(tested)
         draft = d.gamma * self.r[d.method] * self.t(b) * noise
         if d.method != self.last:
             draft += self.catch_up * self.t(b)
         self.last = d.method
         verify = self.t(b) * (1 + self.c * d.gamma * b) * noise
-        return record(d, b, acc, draft + verify, draft, tried)
+        return record(d, b, acc, draft + verify, draft, tried, tuple(tested), tuple(accepted))
 
     def best_fixed(self, b: int, steps: int) -> float:
         """Tokens/s of the best fixed option at batch b on a fresh copy of this machine (same noise)."""
