@@ -13,10 +13,11 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   measured move with the one that was); α_m is accepted / tried draft tokens over an exponential window of
   `alpha_memory` tokens. p_j is α_m times the shape of acceptance over the draft positions: the same ratio at
   position j over all of them, each counted over a longer window (`shape_memory`; position j's shrunk towards
-  position j−1's by `POSITION_PRIOR` tokens). A small drafter's later positions are accepted less often (on the
-  benchmark model, α 0.87 fitted to rounds of 2 or 4 drafts, 0.85 to rounds of 6), and the geometric law then
-  picked 7–8 drafts at batch 1 where 4 ran 5–8% faster. The level moves fast and the shape slowly: per-position
-  ratios over the level's short window were noisy enough to flap between two proposers within 2% of each other. A step that cost 10% more or less than predicted recomputes its batch size's table at
+  position j−1's by `POSITION_PRIOR` tokens). Where later positions are accepted less often (heads that draft from
+  their own guesses, such as EAGLE's and MTP's, lose acceptance with depth) the geometric law drafts too long; the
+  benchmark's draft model is flat (0.85–0.91 at positions 1–8), and there the two laws agree. The level moves fast
+  and the shape slowly: per-position ratios over the level's short window were noisy enough to flap between two
+  proposers within 2% of each other. A step that cost 10% more or less than predicted recomputes its batch size's table at
   once: the calibration decodes short sequences, and a drafter whose cost grows with the context looks cheaper
   there than it is in the tail;
 * **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice

@@ -198,10 +198,11 @@ class Int4Dense:
     against 17.3 ms for torch.ao's int8 and 31 ms for packed bfloat16 — a drafter reads a quarter of the bytes of
     the target.
 
-    CPU with AVX2 and FMA only (no native bf16): float32 activations, every row through `cpu_kernels_f32.linear_q4`,
-    each row computed alike whatever rows come with it. Measured on an AVX2-only EPYC, one thread, SmolLM2's 30
-    layers of matmuls and lm_head: 8.0-10.4 ms at one row against 23-27 ms for the float32 kernel (the target's
-    own), 11-15 ms at two; ATen's int4 kernel takes ~1 s for 1000 rows of one 1536 x 576 weight in float32 there.
+    CPU with AVX2 and FMA only (no native bf16): float32 activations (int8 per group of 32 inside the kernel), every
+    row through `cpu_kernels_f32.linear_q4`, each row computed alike whatever rows come with it. Measured on an
+    AVX2-only EPYC, one thread, SmolLM2's 30 layers of matmuls and lm_head: 6.0-6.5 ms at one row against 23-27 ms
+    for the float32 kernel (the target's own), 7.0-7.2 ms at two; ATen's int4 kernel takes ~1 s for 1000 rows of one
+    1536 x 576 weight in float32 there.
     """
 
     GROUP = 32
