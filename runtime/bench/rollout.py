@@ -210,9 +210,9 @@ class Timeline:
         inner = getattr(self.inner, "stats", None)
         return inner() if callable(inner) else {}
 
-    def warm_proposers(self) -> Any:
+    def warm_proposers(self, active_batch_size: int) -> Any:
         warm = getattr(self.inner, "warm_proposers", None)
-        return warm() if callable(warm) else list(self.engine.proposers)
+        return warm(active_batch_size) if callable(warm) else list(self.engine.proposers)
 
 
 @dataclass

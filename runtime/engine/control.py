@@ -7,8 +7,9 @@ gamma (clamped to `engine.max_gamma`). After the step the engine calls `controll
 with a `StepRecord` (batch size, drafted/accepted/emitted tokens, wall seconds split into draft and target
 parts). Every record is also kept in `engine.stats.steps` (bounded) for metrics and offline analysis.
 
-A controller may also say which proposers to keep warm: `warm_proposers() -> Collection[str]` names those whose
-own caches the engine fills when sequences are admitted (without the method: every proposer). The others catch up
+A controller may also say which proposers to keep warm: `warm_proposers(active_batch_size) -> Collection[str]`
+names those whose own caches the engine fills when sequences are admitted, the batch then holding
+`active_batch_size` sequences (without the method: every proposer). The others catch up
 on the whole sequence, prompt included, the first time they draft for it: an engine built with several drafters
 for an adaptive policy then pays the prefill of only the drafters it runs (measured on the benchmark workload, the
 prefill of two unused drafters was 14% of a plain-decoding run).
@@ -97,7 +98,7 @@ class FixedController:
         self._clock.start()
         return self.decision
 
-    def warm_proposers(self) -> tuple[str, ...]:
+    def warm_proposers(self, active_batch_size: int) -> tuple[str, ...]:
         return (self.decision.method,) if self.decision.method is not None else ()
 
     def observe(self, decision: Decision, record: StepRecord) -> None:

@@ -425,7 +425,7 @@ class RolloutEngine:
             for p in want_hidden:
                 assert hidden is not None
                 p.observe_target(hidden, [0] * len(rows), lens, slot0=slot0)
-            for p in self._warm_proposers():
+            for p in self._warm_proposers(slot0 + len(joiners)):
                 p.prefill(slot0, inp, lens)
             if share:
                 for s, h in zip(fresh, last):
@@ -604,13 +604,14 @@ class RolloutEngine:
         return StepRecord(self._step, decision.method, gamma, b, drafted, accepted, emitted, t2 - t0, t1 - t0, t2 - t1,
                           tried, tuple(tested_at), tuple(accepted_at))
 
-    def _warm_proposers(self) -> list[Proposer]:
-        """The proposers to prefill on admission: those the controller names (`Controller.warm_proposers`), else
-        every one. A cold one catches up on the prompt when it first drafts for the row."""
+    def _warm_proposers(self, batch: int) -> list[Proposer]:
+        """The proposers to prefill on admission into a batch of `batch` sequences: those the controller names
+        (`Controller.warm_proposers`), else every one. A cold one catches up on the prompt when it first drafts
+        for the row."""
         warm = getattr(self.controller, "warm_proposers", None)
         if not callable(warm):
             return list(self.proposers.values())
-        names = set(warm())
+        names = set(warm(batch))
         return [p for name, p in self.proposers.items() if name in names]
 
     def _truncate_proposers(self, active: list[_Seq]) -> None:

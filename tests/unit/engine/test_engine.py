@@ -174,7 +174,7 @@ class _ColdStart(_Recorder):
         self.calls += 1
         return Decision(None) if self.calls <= 4 else Decision(self.method, 1 + self.calls % 4)
 
-    def warm_proposers(self) -> tuple[str, ...]:
+    def warm_proposers(self, active_batch_size: int) -> tuple[str, ...]:
         return ()
 
 
@@ -205,7 +205,7 @@ def test_a_cold_drafter_catches_up_from_the_prompt(method: str, target, draft, m
     # outputs alone could not tell: verification corrects any draft, so a drafter reading a prompt it never saw
     # would show only as fewer accepted drafts)
     ctl = _ColdStart(method)
-    ctl.warm_proposers = lambda: (method,)  # type: ignore[method-assign]
+    ctl.warm_proposers = lambda active_batch_size: (method,)  # type: ignore[method-assign]
     engine = RolloutEngine(target, SpeculativeConfig(method=method, extra_methods=("ngram",)), draft_model=draft,
                            max_batch_size=3, controller=ctl)
     assert [o.token_ids for o in engine.generate(prompts, params)] == [o.token_ids for o in ar]

@@ -406,19 +406,19 @@ def test_verify_cost_never_extrapolates_below_a_plain_step():
 def test_warm_proposers_are_the_running_one_and_the_tail_choice() -> None:
     # The engine prefills only these on admission; the others catch up from the prompt when first run.
     model = memory_bound_model()
-    assert AdaptiveController(["draft_model", "ngram"]).warm_proposers() == ["draft_model", "ngram"]  # unmeasured
+    assert AdaptiveController(["draft_model", "ngram"]).warm_proposers(8) == ["draft_model", "ngram"]  # unmeasured
     ctrl = AdaptiveController(["draft_model", "ngram"], cost_model=model, alpha_priors={"draft_model": 0.85,
                               "ngram": 0.2}, settings=AdaptiveSettings(probe=0.0))
     assert ctrl.decide(64) == AR  # plain decoding runs at a full batch; the tail will want the drafter
-    assert ctrl.warm_proposers() == ["draft_model"]
-    ctrl.alpha["ngram"] = 1.0  # a free drafter accepting everything wins the tail, the running one stays warm
+    assert ctrl.warm_proposers(64) == ["draft_model"]
+    ctrl.alpha["ngram"] = 1.0  # a free drafter accepting everything wins the tail, the one to run stays warm
     ctrl._tables.clear()
     ctrl.current = Decision("draft_model", 4)
-    assert ctrl.warm_proposers() == ["draft_model", "ngram"]
+    assert ctrl.warm_proposers(1) == ["ngram"]  # at batch 1 the policy switches to n-gram: draft_model not needed
     assert policy(["draft_model", "ngram"], model, toggle=False, draft_length=False,
-                  strategy=False).warm_proposers() == ["draft_model"]
-    assert FixedController(None).warm_proposers() == ()
-    assert FixedController("ngram", 3).warm_proposers() == ("ngram",)
+                  strategy=False).warm_proposers(64) == ["draft_model"]
+    assert FixedController(None).warm_proposers(4) == ()
+    assert FixedController("ngram", 3).warm_proposers(4) == ("ngram",)
 
 
 def test_a_costly_tail_drafter_is_not_prefilled_on_every_admission() -> None:
@@ -431,12 +431,13 @@ def test_a_costly_tail_drafter_is_not_prefilled_on_every_admission() -> None:
                               settings=AdaptiveSettings(probe=0.0))
     assert ctrl.table(1)["quantized_self"][0] > ctrl.table(1)["draft_model"][0]  # the tail's choice
     assert ctrl.decide(64) == AR
-    assert ctrl.warm_proposers() == []
+    assert ctrl.warm_proposers(64) == []
     ctrl.settings.warm_max_draft_cost = 0.3
-    assert ctrl.warm_proposers() == ["quantized_self"]
+    assert ctrl.warm_proposers(64) == ["quantized_self"]
     ctrl.settings.warm_max_draft_cost = 0.15
-    ctrl.current = Decision("quantized_self", 4)  # the running one is always warm
-    assert ctrl.warm_proposers() == ["quantized_self"]
+    ctrl.current = Decision("quantized_self", 4)  # what a tail ran: warm only where the policy would run it
+    assert ctrl.warm_proposers(1) == ["quantized_self"]
+    assert ctrl.warm_proposers(64) == []  # a refilled full batch decodes plainly
 
 
 def test_a_choice_that_runs_slower_than_predicted_is_left_within_a_few_steps() -> None:
