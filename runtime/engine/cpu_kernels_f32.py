@@ -176,7 +176,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
 // lane in the order of g: a row's result is the same bits whatever rows it is computed with. Two columns' codes load
 // as one vector and stay bytes: about 60% of the instructions of int16 activations (`vpmaddwd` over codes widened to
 // 16 bits), which bounded this kernel. Measured on an AVX2-only EPYC, one thread, SmolLM2's 30 layers and lm_head:
-// 6.0-6.5 / 7.0-7.2 / 47-49 ms at 1 / 2 / 16 rows with int8 and the prefetch below, 9.2-12.6 / 11.8-13.0 / 86 with
+// 6.0-6.5 / 6.9-7.2 / 46-49 ms at 1 / 2 / 16 rows with int8 and the prefetch below, 9.2-12.6 / 11.8-13.0 / 86 with
 // int16 (84 MB of weights: 6 ms is 14 GB/s, near the 16-17 GB/s one thread streams). What int8 costs: SmolLM2's
 // expected acceptance at T=1 on its own sampled text, 0.878 with int16 (the same as unrounded activations) against
 // 0.861 with int8 per 32 (0.868 per 16, 0.874 per 8); per-tensor int8 (torch.ao's dynamic quantization) cost 0.93 ->

@@ -201,7 +201,7 @@ class Int4Dense:
     CPU with AVX2 and FMA only (no native bf16): float32 activations (int8 per group of 32 inside the kernel), every
     row through `cpu_kernels_f32.linear_q4`, each row computed alike whatever rows come with it. Measured on an
     AVX2-only EPYC, one thread, SmolLM2's 30 layers of matmuls and lm_head: 6.0-6.5 ms at one row against 23-27 ms
-    for the float32 kernel (the target's own), 7.0-7.2 ms at two; ATen's int4 kernel takes ~1 s for 1000 rows of one
+    for the float32 kernel (the target's own), 6.9-7.2 ms at two; ATen's int4 kernel takes ~1 s for 1000 rows of one
     1536 x 576 weight in float32 there.
     """
 
