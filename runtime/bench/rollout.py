@@ -228,11 +228,18 @@ class RunResult:
     prefill_seconds: float = 0.0  # of `seconds`, admitting prompts: their prefill and first tokens
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens the decode steps emitted: each prompt's first token comes from its prefill."""
+        return self.tokens - len(self.lengths)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.seconds - self.prefill_seconds
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        """Tokens per second of everything but the prefill (each prompt's first token comes from it): the rate a
-        memory-bandwidth roofline of one decode step bounds."""
-        seconds = self.seconds - self.prefill_seconds
-        return (self.tokens - len(self.lengths)) / seconds if seconds > 0 else 0.0
+        """The rate a memory-bandwidth roofline of one decode step bounds: everything but the prefill."""
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def rates_at(self, batch: int) -> tuple[float, float]:
         """(tokens per CPU-second, tokens per second) of the decode steps at exactly this batch size."""
@@ -655,7 +662,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
             for i, p in enumerate(bs1_prompts):
                 res = run_engine(engine, ctrl, [p], sampling(1, plan.max_new_tokens, models.eos_id, offset=i))
                 tok, sec = tok + res.tokens, sec + res.seconds
-                decode_tok, decode_sec = decode_tok + res.tokens - 1, decode_sec + res.seconds - res.prefill_seconds
+                decode_tok, decode_sec = decode_tok + res.decode_tokens, decode_sec + res.decode_seconds
             bs1[key].append(tok / sec)
             if key == "ar":
                 bs1["ar_decode"].append(decode_tok / decode_sec)
