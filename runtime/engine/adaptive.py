@@ -109,8 +109,9 @@ class AdaptiveSettings:
     prior_alpha: float = 0.6
     refresh: int = 8  # steps between recomputations of one batch size's table of options
     # The tail's choice is prefilled on every admission only if a draft token costs at most this many plain steps
-    # at batch 1: its prompt prefill then adds about that share to the target's. A costlier drafter (quantized_self,
-    # a 4-bit copy of the whole policy: ~0.24 on SmolLM2 here) catches up only on the rows that reach the tail.
+    # at batch 1: its prompt prefill then adds about that share to the target's. A costlier drafter with a cache of
+    # its own (a draft model near the policy's size) catches up only on the rows that reach the tail. Drafters over
+    # the target's cache (layer_skip, quantized_self) have nothing to prefill either way.
     warm_max_draft_cost: float = 0.15
     clock: str = "wall"  # "cpu" on shared CPU machines, see control.StepClock
 
@@ -284,7 +285,8 @@ class AdaptiveController:
         drafting is cheap (`warm_max_draft_cost`); before any estimate, all of them (each is probed first). The
         rest catch up on a sequence's prompt when a probe or a switch first runs them. Not the one running now:
         after a tail that ran a costly drafter a refilled full batch decodes plainly, and prefilling that drafter
-        for all of it cost SmolLM2's batch of 8 a third of its rate (adaptive 77.7 tok/s against plain's 93.2)."""
+        for all of it cost SmolLM2's batch of 8 a third of its rate (adaptive 77.7 tok/s against plain's 93.2, when
+        quantized_self still kept a cache of its own)."""
         if not self.settings.adaptive:
             return self.methods[:1]
         if self.costs is None:

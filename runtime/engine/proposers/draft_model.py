@@ -32,14 +32,21 @@ class DraftModelProposer(Proposer):
         self.lens: list[int] = []
 
     def attach(self, engine: RolloutEngine) -> None:
+        self.runner = self.build_runner(engine)
+        self.own_cache(engine)
+
+    def build_runner(self, engine: RolloutEngine) -> TransformerRunner:
         vocab_size = config_of(self.draft_model).vocab_size
         if vocab_size != engine.vocab_size:
-            raise ValueError(f"draft_model: vocab_size {vocab_size} differs from the "
-                             f"target's {engine.vocab_size}")
-        self.runner = TransformerRunner(self.draft_model, quantize=self.quantize, max_positions=engine.cache_len,
-                                        dtype=engine.runner.dtype)
-        if self.runner.device != engine.device:
-            raise ValueError(f"draft_model: on {self.runner.device}, the target is on {engine.device}")
+            raise ValueError(f"{self.name}: vocab_size {vocab_size} differs from the target's {engine.vocab_size}")
+        runner = TransformerRunner(self.draft_model, quantize=self.quantize, max_positions=engine.cache_len,
+                                   dtype=engine.runner.dtype)
+        if runner.device != engine.device:
+            raise ValueError(f"{self.name}: on {runner.device}, the target is on {engine.device}")
+        return runner
+
+    def own_cache(self, engine: RolloutEngine) -> None:
+        assert self.runner is not None
         self.cache = self.runner.new_cache(engine.max_batch_size, engine.cache_len)
         self.lens = [0] * engine.max_batch_size
 
