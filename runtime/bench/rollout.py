@@ -448,6 +448,30 @@ def memory_bandwidth_gb_s(megabytes: int = 256, repeats: int = 7) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+class BandwidthPairs:
+    """The streaming bandwidth measured right before and right after each timed plain run, paired with that run.
+
+    Why: this machine's rates drift by ±20% from one minute to the next, and a bandwidth measured once at the end of
+    the run put the same plain decoding at 67% of the roofline in one run and 101% in the next (SmolLM2, runs F and
+    G). A plain run and the bandwidth around it share their minute; each run's fraction is its rate over the mean
+    of the two bandwidths, and the report takes the median of the runs' fractions."""
+
+    def __init__(self, megabytes: int) -> None:
+        self.megabytes = megabytes
+        self.bandwidths: list[float] = []  # GB/s, the mean of the measurements around each run
+        self._before = 0.0
+
+    def before(self) -> None:
+        self._before = memory_bandwidth_gb_s(self.megabytes)
+
+    def after(self) -> None:
+        self.bandwidths.append((self._before + memory_bandwidth_gb_s(self.megabytes)) / 2)
+
+    def fractions(self, rates: Sequence[float], bytes_per_step: int) -> list[float]:
+        """Each run's rate (tokens/s of batch-1 decode steps) over the roofline of its own minute."""
+        return [rate / (bw * 1e9 / bytes_per_step) for rate, bw in zip(rates, self.bandwidths) if bw > 0]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # lossless checks
 
@@ -654,17 +678,21 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     hf_prompts = prompts[: plan.hf_assisted_prompts]
     hf_batched: list[tuple[int, float]] = []
     pad = 0
+    pairs = BandwidthPairs(64 if plan.quick else 256)
     for r in range(plan.repeats):
         progress(f"batch 1, repeat {r + 1}/{plan.repeats}")
         for key, ctrl in (("ar", FixedController(None)), ("sd", FixedController(sd_method, sd_gamma)),
                           ("adaptive", adaptive)):
             tok, sec, decode_tok, decode_sec = 0, 0.0, 0, 0.0
+            if key == "ar":
+                pairs.before()
             for i, p in enumerate(bs1_prompts):
                 res = run_engine(engine, ctrl, [p], sampling(1, plan.max_new_tokens, models.eos_id, offset=i))
                 tok, sec = tok + res.tokens, sec + res.seconds
                 decode_tok, decode_sec = decode_tok + res.decode_tokens, decode_sec + res.decode_seconds
             bs1[key].append(tok / sec)
             if key == "ar":
+                pairs.after()
                 bs1["ar_decode"].append(decode_tok / decode_sec)
         tok, sec = hf_batched_ar(models.target, prompts, plan.max_new_tokens, models.eos_id, pad, BATCH, BENCH_SEED)
         hf_batched.append((tok, sec))
@@ -676,11 +704,13 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         advance()
 
     phase("batch1_and_hf")
-    bandwidth = max(memory_bandwidth_gb_s(64 if plan.quick else 256) for _ in range(2))
+    bandwidth = med(pairs.bandwidths) or 0.0
     bpt = engine_bytes_per_step(engine)  # the bytes the engine reads (its dtype), not the checkpoint's
     roofline_tps = bandwidth * 1e9 / bpt
     engine_ar_bs1 = med(bs1["ar"]) or 0.0
     engine_ar_bs1_decode = med(bs1["ar_decode"]) or 0.0
+    roofline_runs = pairs.fractions(bs1["ar_decode"], bpt)
+    roofline_runs_e2e = pairs.fractions(bs1["ar"], bpt)
 
 
     lossless = lossless_checks(plan.lossless_samples, available, progress, n_tokens=2 if plan.quick else 3)
@@ -714,10 +744,13 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
                        "prompts": len(bs1_prompts)},
         "hf": {"ar_batched_tokens_per_s": hf_ar_tps, "ar_bs1_tokens_per_s": med(bs1["hf_ar"]),
                "assisted_bs1_tokens_per_s": med(bs1["hf_assisted"]), "assisted_prompts": len(hf_prompts)},
-        "roofline": {"bandwidth_gb_s": bandwidth, "bytes_per_step": bpt, "tokens_per_s": roofline_tps},
-        # a decode step against the bytes one step reads; end to end (prompt prefills included) beside it
-        "roofline_fraction_bs1": engine_ar_bs1_decode / roofline_tps if roofline_tps else None,
-        "roofline_fraction_bs1_end_to_end": engine_ar_bs1 / roofline_tps if roofline_tps else None,
+        "roofline": {"bandwidth_gb_s": bandwidth, "bytes_per_step": bpt, "tokens_per_s": roofline_tps,
+                     "bandwidth_per_run_gb_s": [round(b, 2) for b in pairs.bandwidths],
+                     "fraction_per_run": [round(f, 3) for f in roofline_runs]},
+        # each plain run's decode steps against the roofline of its own minute (`BandwidthPairs`); end to end
+        # (prompt prefills included) beside it
+        "roofline_fraction_bs1": med(roofline_runs),
+        "roofline_fraction_bs1_end_to_end": med(roofline_runs_e2e),
         "sweep": sweep,
         "lossless": lossless,
     }
@@ -880,6 +913,7 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
     hf: dict[str, list[float]] = {"plain": [], "prompt_lookup": [], "assisted_int8": [], "int8_alone": []}
     int8 = _int8_copy(model)
     hf_prompts = prompts[: 1 if plan.quick else 3]
+    pairs = BandwidthPairs(64 if plan.quick else 512)
     for r in range(plan.repeats):
         for b in sizes:
             batch = [prompts[i % len(prompts)] for i in range(b)]
@@ -887,7 +921,11 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
                                      seed=BENCH_SEED + 100 * r + i) for i in range(b)]
             for n, (method, gamma) in configs.items():
                 progress(f"{name}, repeat {r + 1}/{plan.repeats}: batch {b} {n}")
+                if b == 1 and method is None:
+                    pairs.before()
                 res = run_engine(engine, FixedController(method, gamma), batch, params)
+                if b == 1 and method is None:
+                    pairs.after()
                 samples[b][n].append(res.tokens_per_s)
                 decode[b][n].append(res.decode_tokens_per_s)
             res = run_engine(engine, adaptive, batch, params)
@@ -901,8 +939,10 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
                                            assistant_model=int8))
         hf["int8_alone"].append(_hf_bs1(int8, hf_prompts, max_new, eos, tok.pad_id, BENCH_SEED))
         advance()
-    bandwidth = max(memory_bandwidth_gb_s(64 if plan.quick else 512) for _ in range(3))
+    bandwidth = med(pairs.bandwidths) or 0.0
     bpt = engine_bytes_per_step(engine)
+    roofline_runs = pairs.fractions(decode[1]["plain"], bpt)
+    roofline_runs_e2e = pairs.fractions(samples[1]["plain"], bpt)
     rows: list[dict[str, Any]] = []  # JSON report rows
     for b in sizes:
         tps = {n: med(v) for n, v in samples[b].items()}
@@ -930,7 +970,7 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
                        "vs_plain": native[best_native] / plain_bs1 if plain_bs1 else None,
                        "vs_plain_decode": (bs1["decode_tokens_per_s"][best_native] or 0.0)
                        / bs1["decode_tokens_per_s"]["plain"] if bs1["decode_tokens_per_s"]["plain"] else None}
-    values = {"roofline_fraction_bs1": (bs1["decode_tokens_per_s"]["plain"] or 0.0) / roofline_tps,
+    values = {"roofline_fraction_bs1": med(roofline_runs),
               "best_sd_vs_engine_plain_bs1": best_native_bs1["vs_plain"],
               "best_sd_vs_hf_assisted_bs1": native[best_native] / hf_med["assisted_int8"]
               if hf_med["assisted_int8"] else None}
@@ -945,10 +985,14 @@ def run_real(name: str, plan: Plan, progress: Callable[[str], None], advance: Ca
         "adaptive_controller": adaptive.stats(),
         "hf_bs1_tokens_per_s": hf_med, "hf_bs1_spread": {k: spread(v) for k, v in hf.items()},
         "roofline": {"bandwidth_gb_s": bandwidth, "bytes_per_step": bpt, "tokens_per_s": roofline_tps,
+                     "bandwidth_per_run_gb_s": [round(b, 2) for b in pairs.bandwidths],
+                     "fraction_per_run": [round(f, 3) for f in roofline_runs],
                      "definition": "single-stream read bandwidth of a 512 MiB fp32 reduction with the benchmark's "
-                                   "threads, measured in this run, divided by the bytes of the engine's weights one "
-                                   "batch-1 step reads (its dtype; one embedding row; a tied lm_head in full)"},
-        "roofline_fraction_bs1_end_to_end": (bs1["tokens_per_s"]["plain"] or 0.0) / roofline_tps,
+                                   "threads, measured right before and after each plain batch-1 run (their mean), "
+                                   "divided by the bytes of the engine's weights one batch-1 step reads (its dtype; "
+                                   "one embedding row; a tied lm_head in full); the fraction is the median over the "
+                                   "runs of each run's decode rate over its own roofline"},
+        "roofline_fraction_bs1_end_to_end": med(roofline_runs_e2e),
         "best_native_sd_bs1": best_native_bs1,
         "targets": {k: {"value": v, "target": REAL_TARGETS[k], "met": v is not None and v >= REAL_TARGETS[k]}
                     for k, v in values.items()},
@@ -976,7 +1020,8 @@ def _real_report(result: dict[str, Any]) -> None:
     out.print(f"roofline bs1 {result['roofline']['tokens_per_s']:.1f} tok/s "
               f"({result['roofline']['bandwidth_gb_s']:.1f} GB/s, {result['roofline']['bytes_per_step'] / 1e6:.0f} MB); "
               f"plain bs1 decode {rows[0]['decode_tokens_per_s']['plain']:.1f} tok/s without the prefill, "
-              f"{result['roofline_fraction_bs1_end_to_end']:.0%} of the roofline with it")
+              f"{result['roofline_fraction_bs1_end_to_end'] or 0:.0%} of the roofline with it (per run: "
+              f"{', '.join(f'{f:.0%}' for f in result['roofline']['fraction_per_run'])})")
     best = result["best_native_sd_bs1"]
     out.print(f"best native speculation at bs1: {best['config']} {best['tokens_per_s']:.1f} tok/s, "
               f"{best['vs_plain'] or 0:.2f}x plain end to end, {best['vs_plain_decode'] or 0:.2f}x over decode steps "

@@ -37,6 +37,8 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     assert r["hf"]["ar_batched_tokens_per_s"] > 0 and r["hf"]["assisted_bs1_tokens_per_s"] > 0
     assert 0 < r["roofline_fraction_bs1"] < 1.5 and 0 < r["roofline_fraction_bs1_end_to_end"] < 1.5
     assert r["engine_bs1"]["ar_decode_tokens_per_s"] > 0  # the rate the roofline bounds: prefill left out
+    # one roofline per plain batch-1 run, from the bandwidth measured around it
+    assert len(r["roofline"]["fraction_per_run"]) == len(r["roofline"]["bandwidth_per_run_gb_s"]) == r["repeats"]
     assert r["model"]["parameters"] > 0 and r["model"]["trained_steps"] == 0  # quick: random-init
     assert r["lossless"]["passed"] is True
     assert all(0.0 <= p <= 1.0 and not math.isnan(p) for p in r["lossless"]["p_values"].values())
@@ -75,6 +77,18 @@ def test_bench_helpers() -> None:
     engine = RolloutEngine(model, max_batch_size=1, dtype="float32")
     # every weight once, one embedding row, plus the tied lm_head read in full
     assert engine_bytes_per_step(engine) == 4 * (params - 100 * 16 + 16 + 100 * 16)
+
+
+def test_bandwidth_pairs_rate_each_run_against_its_own_minute() -> None:
+    from specrl.runtime.bench.rollout import BandwidthPairs
+
+    pairs = BandwidthPairs(megabytes=8)
+    pairs.bandwidths = [10.0, 20.0]  # GB/s around two runs
+    # 100 MB a step: rooflines of 100 and 200 tok/s; the same 80 tok/s is 80% of the first and 40% of the second
+    assert pairs.fractions([80.0, 80.0], 100_000_000) == pytest.approx([0.8, 0.4])
+    pairs.before()
+    pairs.after()
+    assert len(pairs.bandwidths) == 3 and pairs.bandwidths[-1] > 0
 
 
 def test_common_mix_compares_rates_not_tails() -> None:

@@ -31,4 +31,5 @@ def test_quick_real_model_bench(tmp_path: Path, smollm2_path: Path) -> None:
     assert r["targets"]["best_sd_vs_hf_assisted_bs1"]["value"] == pytest.approx(
         best["tokens_per_s"] / r["hf_bs1_tokens_per_s"]["assisted_int8"])
     assert 0 < r["targets"]["roofline_fraction_bs1"]["value"] < 1.5
+    assert len(r["roofline"]["fraction_per_run"]) == r["repeats"]  # one per plain batch-1 run
     assert r["model"]["name"] == SMOLLM2 and r["workload"]["chat_template"] is True
