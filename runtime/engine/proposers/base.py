@@ -11,6 +11,8 @@ from ..sampling import BatchSamplingTensors, process_logits, sample_from_probs
 
 if TYPE_CHECKING:
     from ..engine import RolloutEngine
+    from ..kv_cache import StaticKVCache
+    from ..model_runner import TransformerRunner
 
 
 @dataclass
@@ -60,6 +62,22 @@ class DraftCollector:
     def proposal(self) -> Proposal:
         return Proposal(tokens=torch.stack(self.tokens, dim=1),
                         probs=torch.stack(self.dists, dim=1) if self.dists else None)
+
+
+def draft_over_target_cache(runner: TransformerRunner, cache: StaticKVCache, ctx: DraftContext, gamma: int,
+                            num_layers: int | None = None) -> Proposal:
+    """gamma drafts from a runner of the target's shape over the target's own KV cache (layer_skip, quantized_self).
+
+    The target cache holds len(tokens) - 1 positions of each row: the drafter feeds the last token at len - 1, then
+    each of its drafts after it. It writes K/V at positions the target has not committed, and the verification
+    forward writes every one of them again before reading it."""
+    n = [len(t) for t in ctx.tokens]
+    tok = torch.tensor([[t[-1]] for t in ctx.tokens], dtype=torch.int64, device=runner.device)
+    drafts = DraftCollector(ctx)
+    for j in range(gamma):
+        logits, _ = runner.forward(cache, 0, [x - 1 + j for x in n], tok, num_layers=num_layers)
+        tok = drafts.add(logits[:, 0]).unsqueeze(1)
+    return drafts.proposal()
 
 
 class Proposer:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
-from .base import DraftCollector, DraftContext, Proposal, Proposer
+from .base import DraftContext, Proposal, Proposer, draft_over_target_cache
 
 if TYPE_CHECKING:
     from ..engine import RolloutEngine
@@ -37,13 +36,4 @@ class LayerSkipProposer(Proposer):
         return None  # shares the target runner's (already refreshed) weights
 
     def propose(self, ctx: DraftContext, gamma: int) -> Proposal:
-        runner = self.engine.runner
-        cache = self.engine.cache
-        dev = runner.device
-        n = [len(t) for t in ctx.tokens]
-        tok = torch.tensor([[t[-1]] for t in ctx.tokens], dtype=torch.int64, device=dev)
-        drafts = DraftCollector(ctx)
-        for j in range(gamma):
-            logits, _ = runner.forward(cache, 0, [x - 1 + j for x in n], tok, num_layers=self.num_layers)
-            tok = drafts.add(logits[:, 0]).unsqueeze(1)
-        return drafts.proposal()
+        return draft_over_target_cache(self.engine.runner, self.engine.cache, ctx, gamma, self.num_layers)

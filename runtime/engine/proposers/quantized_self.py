@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..model_runner import quantize_bits
-from .base import DraftCollector, DraftContext, Proposal
+from .base import DraftContext, Proposal, draft_over_target_cache
 from .draft_model import DraftModelProposer
 
 if TYPE_CHECKING:
@@ -78,11 +78,4 @@ class QuantizedSelfProposer(DraftModelProposer):
         if self.engine is None:
             return super().propose(ctx, gamma)
         assert self.runner is not None
-        # The target cache holds len(tokens) - 1 positions: the drafter feeds the last token, then its own drafts.
-        n = [len(t) for t in ctx.tokens]
-        tok = torch.tensor([[t[-1]] for t in ctx.tokens], dtype=torch.int64, device=self.runner.device)
-        drafts = DraftCollector(ctx)
-        for j in range(gamma):
-            logits, _ = self.runner.forward(self.engine.cache, 0, [x - 1 + j for x in n], tok)
-            tok = drafts.add(logits[:, 0]).unsqueeze(1)
-        return drafts.proposal()
+        return draft_over_target_cache(self.runner, self.engine.cache, ctx, gamma)
