@@ -2,7 +2,9 @@
 
 Workload (fixed, reproducible): the synthetic arithmetic task's prompts (`BENCH_SEED`), whose worked responses
 follow a long-tail length distribution (most sequences finish early, a few run long, as RL rollouts do);
-temperature 1.0, no top-k/top-p, stop at EOS, batch of 16 with continuous batching. Target `builtin:bench`
+temperature 1.0, no top-k/top-p, stop at EOS, decoded as synchronous RL rollout steps of 16 prompts admitted
+together (each step's batch shrinks into its long tail; the next step starts when its longest response ends), the
+serving shape (a queue refilling 16 slots) beside it. Target `builtin:bench`
 (a ~27M-parameter Llama trained by the project's own script on the task), draft `builtin:bench-draft`
 (distilled from it). `--quick` swaps in tiny randomly initialised models and a few prompts: a smoke test that
 runs in seconds, not a measurement.
@@ -49,6 +51,11 @@ BENCH_SEED = 20260522
 TARGET = "builtin:bench"
 DRAFT = "builtin:bench-draft"
 BATCH = 16
+# The long-tail workload runs as synchronous RL rollout steps of this many prompts, admitted together (the
+# rollout worker admits its whole assignment at once, `rollout_worker.engine_slots`): each step's batch only
+# shrinks into its long tail, and the next step starts when its longest response ends. The serving shape (a
+# queue refilling the BATCH slots, so the batch stays full until the queue runs dry) is measured beside it.
+ROLLOUT_STEP = BATCH
 # The controller measures step costs in CPU time here: the benchmark runs on a shared CPU machine (see
 # adaptive.StepClock); the reported tokens/s are wall-clock.
 CLOCK = "cpu"
@@ -256,7 +263,11 @@ class RunResult:
 
 
 def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams],
-               max_batch: int | None = None) -> RunResult:
+               max_batch: int | None = None, step_size: int | None = None) -> RunResult:
+    """Decode `prompts` under `controller`. With `step_size`, as a synchronous RL rollout does: `step_size`
+    prompts are admitted together, and the next ones only once the last response of those has ended (the next
+    step's prompts wait for the policy update), so each step's batch only shrinks into its long tail. Without it,
+    as a server does: at most `max_batch` at a time, a finished sequence's slot going to the next prompt."""
     engine.stats.reset()
     timeline = Timeline(controller, engine)
     engine.controller = timeline
@@ -266,17 +277,25 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
     enabled = gc.isenabled()
     gc.disable()
     try:
+        step = step_size or len(prompts) or 1
+        outs, ends = [], []
         cpu = time.process_time()
         start = time.perf_counter()
-        outs = engine.generate(prompts, params, max_batch=max_batch)
+        for i in range(0, len(prompts), step):
+            outs += engine.generate(prompts[i:i + step], params[i:i + step], max_batch=max_batch)
+            ends.append(time.perf_counter())
         end = time.perf_counter()
         cpu = time.process_time() - cpu
     finally:
         if enabled:
             gc.enable()
     n = len(prompts)
-    cutoff = math.ceil(0.9 * n)
-    tail_start = next((t for t, done in timeline.marks if done >= cutoff), end)
+    # each rollout step's tail: from its (0.9 x its prompts)-th completion to its end
+    tail = 0.0
+    for k, step_end in enumerate(ends):
+        first, size = k * step, min(step, n - k * step)
+        cutoff = first + math.ceil(0.9 * size)
+        tail += step_end - next((t for t, done in timeline.marks if done >= cutoff and t <= step_end), step_end)
     s = engine.stats
     # Target forward passes per generated token, per sequence: every decode step runs the target once for each
     # active sequence and the prefill once per prompt, so plain decoding is exactly 1.0 and speculation
@@ -284,7 +303,7 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
     sequence_forwards = sum(r.batch_size for r in s.steps) + n
     return RunResult(tokens=s.generated_tokens, seconds=end - start, cpu_seconds=cpu,
                      acceptance_length=s.acceptance_length,
-                     forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=end - tail_start,
+                     forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=tail,
                      lengths=[len(o.token_ids) for o in outs], by_batch=timeline.by_batch,
                      prefill_seconds=s.prefill_seconds)
 
@@ -611,14 +630,19 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     configs = [c for c in FIXED_CONFIGS if c[1] is None or c[1] in available]
     runs: dict[str, list[RunResult]] = {name: [] for name, _, _ in configs}
     runs["adaptive"] = []
+    serving: dict[str, list[RunResult]] = {"ar": [], "adaptive": []}
     for r in range(plan.repeats):
         for name, method, gamma in configs:
             progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: {name}")
-            runs[name].append(run_engine(engine, FixedController(method, gamma), prompts, params))
+            runs[name].append(run_engine(engine, FixedController(method, gamma), prompts, params,
+                                         step_size=ROLLOUT_STEP))
             advance()
         progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: adaptive")
-        runs["adaptive"].append(run_engine(engine, adaptive, prompts, params))
+        runs["adaptive"].append(run_engine(engine, adaptive, prompts, params, step_size=ROLLOUT_STEP))
         advance()
+        progress(f"serving shape, repeat {r + 1}/{plan.repeats}")
+        for name, ctrl in (("ar", FixedController(None)), ("adaptive", adaptive)):
+            serving[name].append(run_engine(engine, ctrl, prompts, params))
 
     def summary(name: str) -> dict[str, Any]:
         rs = runs[name]
@@ -725,7 +749,10 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
                  "compare ratios."),
         "machine": machine_info(engine, load_start),
         "model": models.info,
-        "workload": {"prompts": len(prompts), "batch_size": BATCH, "temperature": 1.0,
+        "workload": {"prompts": len(prompts), "batch_size": BATCH, "rollout_step": ROLLOUT_STEP,
+                     "temperature": 1.0,
+                     # plain decoding's time after 90% of each step's responses have ended
+                     "ar_tail_share": med([x.tail_seconds / x.seconds for x in runs["ar"] if x.seconds > 0]),
                      "prompt_tokens_mean": sum(map(len, prompts)) / max(1, len(prompts)),
                      "max_new_tokens": plan.max_new_tokens, "seed": BENCH_SEED,
                      "response_tokens": summary("ar")["tokens"],
@@ -737,6 +764,11 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         "configs": config_rows,
         "adaptive": {**adaptive_summary, "controller": adaptive.stats()},
         "common_mix": common_mix,
+        # the same prompts through a refilling queue: the batch stays at 16 until the queue runs dry
+        "serving": {"ar_tokens_per_s": med([x.tokens_per_s for x in serving["ar"]]),
+                    "adaptive_tokens_per_s": med([x.tokens_per_s for x in serving["adaptive"]]),
+                    "adaptive_vs_ar": paired(serving["adaptive"], serving["ar"]),
+                    "ar_tail_share": med([x.tail_seconds / x.seconds for x in serving["ar"] if x.seconds > 0])},
         "engine_bs1": {"ar_tokens_per_s": engine_ar_bs1, "ar_decode_tokens_per_s": engine_ar_bs1_decode,
                        "sd_tokens_per_s": med(bs1["sd"]),
                        "sd_method": sd_method, "sd_gamma": sd_gamma,

@@ -15,11 +15,18 @@ from .rl_sim import simulate
 from .scenario import Scenario
 
 
-def scenario_from_bench(bench: dict[str, Any], method: str = "none", gamma: int = 1, alpha: float = 0.0) -> Scenario:
-    wl = bench["workload"]
-    lengths = wl.get("response_lengths")
+def bench_lengths(bench: dict[str, Any]) -> list[int]:
+    lengths = bench["workload"].get("response_lengths")
     if not lengths:
         raise ValueError("bench JSON: workload.response_lengths missing (re-run `specrl bench rollout --json`)")
+    return [int(x) for x in lengths]
+
+
+def scenario_from_bench(bench: dict[str, Any], method: str = "none", gamma: int = 1, alpha: float = 0.0,
+                        lengths: list[int] | None = None) -> Scenario:
+    """One rollout step of the bench's workload: `lengths` (default: all of its responses) admitted together."""
+    wl = bench["workload"]
+    lengths = lengths or bench_lengths(bench)
     return Scenario.model_validate({
         "name": f"cpu-calibrated-{method}-{gamma}",
         "cluster": {"gpu": "CPU", "gpus": 1},
@@ -41,6 +48,11 @@ def predict_bench(bench: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per fixed speculative configuration the bench measured: measured vs predicted speedup."""
     rows = []
     ar_time: float | None = None
+    # the bench decodes its workload as rollout steps of `rollout_step` prompts, one after the other (older JSON:
+    # one queue through `batch_size` slots, i.e. a single step)
+    lengths = bench_lengths(bench)
+    step = int(bench["workload"].get("rollout_step") or len(lengths))
+    chunks = [lengths[i:i + step] for i in range(0, len(lengths), step)]
     for cfg in bench["configs"]:
         method, gamma = cfg.get("method"), cfg.get("gamma")
         if not method or method == "none" or not gamma or cfg.get("speedup_vs_ar") is None:
@@ -49,10 +61,10 @@ def predict_bench(bench: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         length = cfg.get("acceptance_length") or 1.0
         alpha = alpha_from_mean_accepted(length - 1.0, gamma)
-        s = scenario_from_bench(bench, method, gamma, alpha)
+        steps = [scenario_from_bench(bench, method, gamma, alpha, chunk) for chunk in chunks]
         if ar_time is None:
-            ar_time = simulate(without_speculation(s)).rollout_seconds
-        predicted = ar_time / simulate(s).rollout_seconds
+            ar_time = sum(simulate(without_speculation(s)).rollout_seconds for s in steps)
+        predicted = ar_time / sum(simulate(s).rollout_seconds for s in steps)
         measured = float(cfg["speedup_vs_ar"])
         rows.append({"name": cfg["name"], "method": method, "gamma": gamma, "acceptance_length": length,
                      "measured_speedup": measured, "predicted_speedup": predicted,

@@ -53,6 +53,8 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     m = r["machine"]
     assert m["threads"] >= 1 and m["engine_dtype"].startswith("torch.") and "load_average_end" in m
     assert len(r["model"]["digest"]) == 16 and r["model"]["digest"] != r["model"]["draft_digest"]
+    assert r["workload"]["rollout_step"] == 16 and 0 <= r["workload"]["ar_tail_share"] <= 1
+    assert r["serving"]["ar_tokens_per_s"] > 0 and r["serving"]["adaptive_vs_ar"]["ratio"] > 0
     lengths = r["workload"]["response_length"]
     assert lengths["median"] <= lengths["p95"] <= lengths["max"]
     assert all(c["tokens_per_s_spread"][0] - 1e-3 <= c["tokens_per_s"] <= c["tokens_per_s_spread"][1] + 1e-3
@@ -112,3 +114,31 @@ def test_common_mix_compares_rates_not_tails() -> None:
     assert rates["same_rates"] == rates["ar"] == 1010 / 2.2
     assert rates["twice_as_fast"] == 2 * rates["ar"]
     assert out["buckets"] == [[1, 1], [16, 16]] and out["reference_tokens"] == [10, 1000]
+
+
+def test_rollout_steps_admit_prompts_together_and_shrink() -> None:
+    # As a synchronous rollout: each step's prompts start together and the next step waits for its longest
+    # response, so the batch only shrinks within a step; the serving shape refills freed slots from the queue.
+    from specrl.runtime.bench.rollout import run_engine
+    from specrl.runtime.engine import RolloutEngine, SamplingParams
+    from specrl.runtime.engine.control import FixedController
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2)).eval()
+    engine = RolloutEngine(model, max_batch_size=12, dtype="float32", seed=0)
+    prompts = [[1, 2, 3]] * 20
+    params = [SamplingParams(temperature=1.0, max_new_tokens=2 + 3 * (i % 10), seed=i) for i in range(20)]
+
+    stepped = run_engine(engine, FixedController(None), prompts, params, step_size=10)
+    sizes = [s.batch_size for s in engine.stats.steps]
+    assert max(sizes) == 10 and stepped.tokens == 2 * sum(2 + 3 * i for i in range(10))
+    restarts = [i for i in range(1, len(sizes)) if sizes[i] > sizes[i - 1]]
+    assert len(restarts) == 1  # the second step starts at full batch again, once
+    assert stepped.tail_seconds > 0  # each step's longest response decodes alone after the other nine ended
+
+    served = run_engine(engine, FixedController(None), prompts, params)
+    assert max(s.batch_size for s in engine.stats.steps) == 12
+    assert served.lengths == stepped.lengths  # same seeds, same texts: only the shape differs

@@ -203,3 +203,24 @@ def test_predict_bench_replays_the_measured_workload() -> None:
     assert s.workload.prompt_tokens == 8 and sorted(step_lengths(s.workload, 0)) == sorted([5, 40, 12, 80, 7, 33, 9, 15])
     with pytest.raises(ValueError, match="response_lengths"):
         scenario_from_bench({**bench, "workload": {"batch_size": 4}})
+
+
+def test_predict_bench_replays_rollout_steps_one_after_the_other() -> None:
+    # the bench decodes its workload as rollout steps of `rollout_step` prompts: each step is simulated on its own
+    # (its batch shrinks into its own tail) and the times add up
+    from specrl.runtime.engine.adaptive import alpha_from_mean_accepted
+    from specrl.runtime.sim.analysis import without_speculation
+    from specrl.runtime.sim.calibrated import predict_bench, scenario_from_bench
+    from specrl.runtime.sim.rl_sim import simulate
+
+    lengths = [5, 40, 12, 80, 7, 33, 9, 15]
+    bench = _bench(lengths)
+    whole = {**bench, "workload": {**bench["workload"], "rollout_step": len(lengths)}}
+    assert predict_bench(whole) == predict_bench(bench)  # older JSON without the key: one step
+    stepped = {**bench, "workload": {**bench["workload"], "rollout_step": 4}}
+    alpha = alpha_from_mean_accepted(2.5, 4)
+    steps = [scenario_from_bench(stepped, "draft_model", 4, alpha, lengths[i:i + 4]) for i in (0, 4)]
+    ar = sum(simulate(without_speculation(s)).rollout_seconds for s in steps)
+    sd = sum(simulate(s).rollout_seconds for s in steps)
+    assert predict_bench(stepped)[0]["predicted_speedup"] == pytest.approx(ar / sd)
+    assert predict_bench(stepped)[0]["predicted_speedup"] != pytest.approx(predict_bench(bench)[0]["predicted_speedup"])
