@@ -48,6 +48,9 @@ class StepRecord:
     # tested_at[j] / accepted_at[j] summed over j give tried_tokens / accepted_tokens (empty when unknown)
     tested_at: tuple[int, ...] = ()
     accepted_at: tuple[int, ...] = ()
+    # rows that emitted a stop token this step: with `emitted_tokens`, the chance a token ends its sequence, which
+    # cuts a round short whatever the acceptance (the policy's stop hazard)
+    stopped: int = 0
 
 
 @runtime_checkable

@@ -494,9 +494,10 @@ class RolloutEngine:
         for p in self.proposers.values():
             if p.needs_hidden:
                 p.observe_target(hidden, starts, [1] * b)
-        emitted = 0
+        emitted = stopped = 0
         for s, t, l in zip(active, toks, lps):
             emitted += self._append(s, [t], [l])
+            stopped += s.finish_reason == "stop"
         # No proposer truncation: a plain step only appends a token, so what each proposer holds is still a prefix
         # of every row (truncation is a no-op here, and a Python loop over rows x proposers at every step).
         self.stats.target_forwards += 1
@@ -504,7 +505,7 @@ class RolloutEngine:
         dt = time.perf_counter() - t0
         self.stats.decode_seconds += dt
         self._step += 1
-        return StepRecord(self._step, None, 0, b, 0, 0, emitted, dt, 0.0, dt)
+        return StepRecord(self._step, None, 0, b, 0, 0, emitted, dt, 0.0, dt, stopped=stopped)
 
     def _sd_step(self, active: list[_Seq], decision: Decision) -> StepRecord:
         t0 = time.perf_counter()
@@ -568,22 +569,30 @@ class RolloutEngine:
         host = torch.cat(parts, dim=1).tolist() if len(parts) > 1 else parts[0].tolist()
         if row_lens is None:
             row_lens = [int(row[-1]) for row in host]
-        emitted = 0
+        emitted = stopped = 0
         nacc: list[int] = []
+        in_text: list[int] = []  # tokens of the round that are text: up to a stop token
         for s, row in zip(active, host):
-            k = row.index(-1.0) if row[gamma] == -1.0 else g1  # tokens emitted by this row
+            k = row.index(-1.0) if row[gamma] == -1.0 else g1  # tokens the verification accepted for this row
             nacc.append(k - 1)
-            emitted += self._append(s, [int(t) for t in row[:k]], row[g1 : g1 + k] if lp is not None else [0.0] * k)
+            n = self._append(s, [int(t) for t in row[:k]], row[g1 : g1 + k] if lp is not None else [0.0] * k)
+            emitted += n
+            stopped += s.finish_reason == "stop"
+            in_text.append(n if s.finish_reason == "stop" else g1)
         for p in self.proposers.values():
             if p.needs_hidden:
                 p.observe_target(hidden, starts, [a + 1 for a in nacc])
         self._truncate_proposers(active)
         drafted = sum(row_lens)
-        accepted = sum(nacc)
+        # Acceptance counts the drafts of the text only: past a stop token the sequence has ended, and a drafter
+        # that is a copy of the policy goes on agreeing with it there (quantized_self "accepted" 16% more tokens
+        # than it emitted at batch 2). Where the text ends is the stop hazard's part (`StepRecord.stopped`).
+        nacc_text = [min(a, e) for a, e in zip(nacc, in_text)]
+        accepted = sum(nacc_text)
         # per draft position: rows that tested it (accepted every draft before it) and rows that accepted it
         tested_at, accepted_at = [0] * gamma, [0] * gamma
-        for a, n in zip(nacc, row_lens):
-            for j in range(min(a + 1, n)):
+        for a, n, e in zip(nacc_text, row_lens, in_text):
+            for j in range(min(a + 1, n, e)):
                 tested_at[j] += 1
             for j in range(a):
                 accepted_at[j] += 1
@@ -602,7 +611,7 @@ class RolloutEngine:
         self.stats.decode_seconds += t2 - t0
         self._step += 1
         return StepRecord(self._step, decision.method, gamma, b, drafted, accepted, emitted, t2 - t0, t1 - t0, t2 - t1,
-                          tried, tuple(tested_at), tuple(accepted_at))
+                          tried, tuple(tested_at), tuple(accepted_at), stopped)
 
     def _warm_proposers(self, batch: int) -> list[Proposer]:
         """The proposers to prefill on admission into a batch of `batch` sequences: those the controller names

@@ -590,3 +590,24 @@ def test_float32_dense_rows_do_not_depend_on_the_row_count() -> None:
         alone = torch.cat([dense(x[i:i + 1]) for i in range(40)])
         for m in (2, 3, 5, 16, 40):
             assert torch.equal(dense(x[:m]), alone[:m]), (k, n, m)
+
+
+def test_acceptance_counts_only_drafts_inside_the_text() -> None:
+    # A drafter identical to the target agrees with it past a stop token too; those drafts are no text and must
+    # not count as accepted (the policy weighs where texts end through `StepRecord.stopped` instead). Per row,
+    # accepted drafts are its emitted tokens less the bonus, or all of them when it stopped on an accepted draft.
+    target, same = make_model(seed=5), make_model(seed=5)
+    engine = RolloutEngine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=6),
+                           draft_model=same, max_batch_size=4)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+    outs = engine.generate(prompts, [SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(3,),
+                                                    seed=i) for i in range(24)])
+    steps = [r for r in engine.stats.steps if r.method]
+    for r in steps:
+        assert r.emitted_tokens - r.batch_size <= r.accepted_tokens <= r.emitted_tokens - r.batch_size + r.stopped
+        assert sum(r.tested_at) == r.tried_tokens and sum(r.accepted_at) == r.accepted_tokens
+    # every stop after the prefill's first token is counted once, by the step that emitted it
+    assert sum(r.stopped for r in engine.stats.steps) == sum(
+        1 for o in outs if o.finish_reason == "stop" and len(o.token_ids) > 1) > 0
+    # the same weights: every draft tested inside the text is accepted
+    assert sum(r.accepted_tokens for r in steps) == sum(r.tried_tokens for r in steps) > 0
