@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,7 @@ from .cost_model import (
     CostModel,
     alpha_from_mean_accepted,
     expected_tokens_per_round,
+    linear_in_tokens,
     low_percentile,
     predicted_speedup,
     round_alpha_from_record,
@@ -176,6 +177,9 @@ class AdaptiveController:
         self._stops: dict[int, tuple[float, float]] = {}  # per table key: decayed (stops, emitted tokens)
         self._probing: tuple[Decision, int] | None = None  # a probe burst in progress: (option, steps left)
         self.costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
+        # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
+        self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
+        self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
         self._samples: dict[tuple, deque[float]] = {}
         self._tables: dict[int, tuple[int, dict[str | None, tuple[float, Decision]]]] = {}
         self._last_run: dict[str | None, int] = {}  # option (None: plain) -> step it last ran
@@ -390,7 +394,7 @@ class AdaptiveController:
             if self.costs is None:
                 self.costs = CostModel(target_step={b: t}, verify_step={})
             self.costs.target_step[b] = t
-            self._follow(b, t / old if old else 1.0, None)
+            self._follow(b)
             return
         if record.tried_tokens > 0:  # α = accepted / tried over a decaying window of tokens (the MLE)
             keep = math.exp(-record.tried_tokens / self.settings.alpha_memory)
@@ -417,7 +421,7 @@ class AdaptiveController:
         by_k = c.verify_step.setdefault(b, {})
         old = by_k.get(k)
         by_k[k] = self._sample(("verify", b, k), record.target_seconds, old)
-        self._follow(b, by_k[k] / old if old else 1.0, k)
+        self._follow(b)
         g = decision.gamma
         if not c.knows(method):  # first ever measurement: an upper bound until a steady step comes
             c.draft_round[method] = {b: {g: record.draft_seconds}}
@@ -427,22 +431,30 @@ class AdaptiveController:
                 t = c.target_step.get(b) or c.t_ar(b)
                 by_g = c.draft_round[method][b] = {
                     k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
-            old_d = by_g.get(g)
-            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, old_d)
-            if old_d:  # the draft lengths no step has measured move with the one measured
-                for k in by_g:
-                    if k != g and ("draft", method, b, k) not in self._samples:
-                        by_g[k] *= by_g[g] / old_d
+                self._draft_predicted[(method, b)] = dict(by_g)
+            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g))
+            predicted = self._draft_predicted.get((method, b))
+            if predicted:  # the draft lengths no step has measured move with the measured ones
+                measured = {k for k in by_g if ("draft", method, b, k) in self._samples}
+                by_g.update(rescale_unmeasured(by_g, predicted, measured, predicted.__getitem__))
 
-    def _follow(self, b: int, factor: float, measured_k: int | None) -> None:
-        """Scale the verify costs at batch b that no step has measured yet by what the measured one moved: they
-        come from the calibration, and the machine's load moves every forward alike (else a calibrated γ that
-        never runs would look dearer, or cheaper, than the one running, for ever)."""
-        if factor == 1.0 or self.costs is None:
+    def _follow(self, b: int) -> None:
+        """Re-derive the verify costs at batch b that no step has measured: each calibrated length at what the
+        nearest measured length (the plain step included) costs now against its own calibration. The machine's
+        load moves every forward alike, so a calibrated γ that never runs keeps its place beside the ones that do.
+        (Multiplying in every change of a measured estimate instead made a random walk of the unmeasured ones: one
+        drifted to 1.7x its calibration within two sweeps while the measured lengths held.)"""
+        cal = self._calibrated.verify_step.get(b) if self._calibrated is not None else None
+        if not cal or self.costs is None or self._calibrated is None:
             return
-        for k, t in self.costs.verify_step.get(b, {}).items():
-            if k != measured_k and ("verify", b, k) not in self._samples:
-                self.costs.verify_step[b][k] = t * factor
+        verify = self.costs.verify_step.setdefault(b, {})
+        now = dict(verify)
+        measured = {k for k in now if ("verify", b, k) in self._samples}
+        if ("ar", b) in self._samples and b in self.costs.target_step:
+            now[1] = self.costs.target_step[b]
+            measured.add(1)
+        points = {**cal, 1: self._calibrated.target_step.get(b) or self._calibrated.t_ar(b)}
+        verify.update(rescale_unmeasured(now, cal, measured, lambda k: linear_in_tokens(points, k)))
 
     # -- visibility ------------------------------------------------------------------------------------------
 
@@ -479,6 +491,21 @@ class AdaptiveController:
 
 # ---------------------------------------------------------------------------------------------------------------
 # building a controller from the RLJob
+
+
+
+def rescale_unmeasured(current: Mapping[int, float], base: Mapping[int, float], measured: Collection[int],
+                       base_at: Callable[[int], float]) -> dict[int, float]:
+    """For every length k of `base` no step has measured: base[k] times what the nearest measured length m costs
+    now against its own base, current[m] / base_at(m) (the shorter m on ties). Nothing when nothing is measured."""
+    out = {}
+    for k, v in base.items():
+        if k in measured or not measured:
+            continue
+        m = min(measured, key=lambda a: (abs(a - k), a))
+        if (at := base_at(m)) > 0:  # a free proposer's (n-gram) predicted drafting: nothing to scale
+            out[k] = v * current[m] / at
+    return out
 
 
 def settings_from_spec(speculative: Any, **overrides: Any) -> AdaptiveSettings:

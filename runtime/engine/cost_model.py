@@ -125,7 +125,7 @@ def _interp_with(keys: Sequence[int], value: Callable[[int], float], x: float) -
     return sum(value(k) * w for k, w in _bracket(keys, x))
 
 
-def _linear_in_tokens(by_k: Mapping[int, float], tokens: int, ks: Sequence[int] | None = None) -> float:
+def linear_in_tokens(by_k: Mapping[int, float], tokens: int, ks: Sequence[int] | None = None) -> float:
     """by_k at `tokens`, linear between measured token counts (`ks`: sorted keys of by_k, if already known)."""
     ks = sorted(by_k) if ks is None else ks
     if tokens in by_k:
@@ -194,7 +194,7 @@ class CostModel:
             points = {**self.verify_step[b], 1: t}
             ks = sorted(points)
             for g in gammas:
-                out[g] += _linear_in_tokens(points, g + 1, ks) / t * w
+                out[g] += linear_in_tokens(points, g + 1, ks) / t * w
         # verifying γ+1 tokens is never cheaper than the one-token plain step it replaces
         return {g: max(x, 1.0) for g, x in out.items()}
 
@@ -227,7 +227,7 @@ class CostModel:
             if points:
                 ks = sorted(points)
                 for g in gammas:
-                    out[g] += _linear_in_tokens(points, g, ks) / t * w
+                    out[g] += linear_in_tokens(points, g, ks) / t * w
             else:
                 c, a = per_token[b], per_round.get(b, 0.0)
                 for g in gammas:

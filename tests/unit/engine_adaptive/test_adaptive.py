@@ -487,3 +487,32 @@ def test_stop_hazard_shortens_drafts_of_a_drafter_that_agrees_past_the_end() -> 
     assert ctrl.costs is not None and short[0] == pytest.approx(ctrl.costs.best_gamma("draft_model", 1, ctrl.alpha["draft_model"] * keep,
                                                            ctrl.settings.gammas())[1])
     assert ctrl.stats()["stop_hazard_by_batch_size"] == {1: round(ctrl.stop_hazard(1), 4)}
+
+
+def test_unmeasured_lengths_keep_the_calibrations_shape_under_noisy_measurements() -> None:
+    # Only γ=4 (5 tokens) runs at batch 2; its timings are noisy. The calibrated 3- and 7-token verifies never run:
+    # they must sit where the calibration put them relative to the measured length, not drift with a product of
+    # every change of its estimate.
+    from specrl.runtime.engine.adaptive import rescale_unmeasured
+
+    cal = CostModel(target_step={2: 8e-3}, verify_step={2: {3: 9e-3, 5: 10e-3, 7: 13e-3}},
+                    draft_step={"draft_model": {2: 1e-3}})
+    ctrl = AdaptiveController(["draft_model"], cost_model=cal, alpha_priors={"draft_model": 0.8},
+                              settings=AdaptiveSettings(probe=0.0, window=4))
+    rng = random.Random(0)
+    for i in range(600):  # γ=4 and γ=5 and plain steps in turn, each timing noisy
+        d = (Decision("draft_model", 4), Decision("draft_model", 5), AR)[i % 3]
+        seconds = (12e-3, 13e-3, 8e-3)[i % 3] * (1 + rng.random())
+        if d.method:
+            ctrl.observe(d, record(d, 2, accepted=6, seconds=seconds + 1e-3, draft_seconds=1e-3, tried=8))
+        else:
+            ctrl.observe(d, record(d, 2, accepted=0, seconds=seconds))
+    assert ctrl.costs is not None
+    verify, plain = ctrl.costs.verify_step[2], ctrl.costs.target_step[2]
+    # 3 tokens: as far from the plain step (1) as from 5 tokens, the shorter anchors; 7 tokens: 6 is nearest
+    # (the calibration there: 11.5e-3, linear between 5 and 7)
+    assert verify[3] == pytest.approx(plain * 9 / 8) and verify[7] == pytest.approx(verify[6] * 13 / 11.5)
+    # the nearest measured length anchors each one; a free drafter's zero prediction scales nothing
+    assert rescale_unmeasured({1: 2.0, 5: 30.0}, {1: 1.0, 3: 2.0, 9: 6.0}, {1, 5}, {1: 1.0, 5: 10.0}.__getitem__) \
+        == {3: 4.0, 9: 18.0}
+    assert rescale_unmeasured({2: 1.0}, {1: 0.0, 2: 0.0}, {2}, lambda k: 0.0) == {}
