@@ -472,20 +472,20 @@ def test_stop_hazard_shortens_drafts_of_a_drafter_that_agrees_past_the_end() -> 
     long_gamma = ctrl.table(1)["draft_model"][1].gamma
     assert long_gamma == 8
     d = Decision("draft_model", 2)
-    for _ in range(40):  # 3 tokens a step, one stop in five tokens
+    for i in range(40):  # 3 tokens a step, one stop in five tokens
         ctrl.observe(d, StepRecord(step=0, method="draft_model", gamma=2, batch_size=1, draft_tokens=2,
                                    accepted_tokens=2, emitted_tokens=3, seconds=9e-3, draft_seconds=1e-3,
                                    target_seconds=8e-3, tried_tokens=2, tested_at=(1, 1), accepted_at=(1, 1),
-                                   stopped=1 if _ % 5 < 3 else 0))
+                                   stopped=1 if i % 5 < 3 else 0))
     # 24 stops in 120 tokens, behind 64 tokens of the no-stop prior (decayed over `stop_memory` tokens)
     assert 0.1 < ctrl.stop_hazard(1) < 24 / 120
     assert ctrl.stop_hazard(16) == 0.0  # another batch size: its own evidence
     ctrl._tables.clear()
     short = ctrl.table(1)["draft_model"]
     assert short[1].gamma < long_gamma
-    keep = 1 - ctrl.stop_hazard(1)
-    assert ctrl.costs is not None and short[0] == pytest.approx(ctrl.costs.best_gamma("draft_model", 1, ctrl.alpha["draft_model"] * keep,
-                                                           ctrl.settings.gammas())[1])
+    assert ctrl.costs is not None
+    continuing = ctrl.alpha["draft_model"] * (1 - ctrl.stop_hazard(1))
+    assert short[0] == pytest.approx(ctrl.costs.best_gamma("draft_model", 1, continuing, ctrl.settings.gammas())[1])
     assert ctrl.stats()["stop_hazard_by_batch_size"] == {1: round(ctrl.stop_hazard(1), 4)}
 
 

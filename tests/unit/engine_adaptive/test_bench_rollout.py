@@ -119,12 +119,12 @@ def test_common_mix_compares_rates_not_tails() -> None:
 def test_rollout_steps_admit_prompts_together_and_shrink() -> None:
     # As a synchronous rollout: each step's prompts start together and the next step waits for its longest
     # response, so the batch only shrinks within a step; the serving shape refills freed slots from the queue.
+    import torch
     from specrl.runtime.bench.rollout import run_engine
     from specrl.runtime.engine import RolloutEngine, SamplingParams
     from specrl.runtime.engine.control import FixedController
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2)).eval()
