@@ -10,8 +10,8 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
 * **running estimates**: t(b), t_v(b, k) and d_m(b, γ) start from the start-up calibration (`calibrate`) and are
   replaced by what the steps themselves measure once two steps have (a low quantile of the last `window` samples
   per batch size and length: on a shared machine other processes only ever add time; a length no step has
-  measured keeps its calibrated cost relative to the nearest measured one, `rescale_unmeasured`); α_m is accepted / tried draft tokens over an exponential window of
-  `alpha_memory` tokens. p_j is α_m times the shape of acceptance over the draft positions: the same ratio at
+  measured keeps its calibrated cost relative to the nearest measured one, `rescale_unmeasured`); α_m is
+  accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. p_j is α_m times the shape of acceptance over the draft positions: the same ratio at
   position j over all of them, each counted over a longer window (`shape_memory`; position j's shrunk towards
   position j−1's by `POSITION_PRIOR` tokens). Where later positions are accepted less often (heads that draft from
   their own guesses, such as EAGLE's and MTP's, lose acceptance with depth) the geometric law drafts too long; the
@@ -445,8 +445,10 @@ class AdaptiveController:
         (Multiplying in every change of a measured estimate instead made a random walk of the unmeasured ones:
         replaying noisy steps at two lengths and plain steps, the unmeasured 3-token verify drifted to 2.1x the
         plain step, where the calibration had it at 1.1x.)"""
-        cal = self._calibrated.verify_step.get(b) if self._calibrated is not None else None
-        if not cal or self.costs is None or self._calibrated is None:
+        if self._calibrated is None or self.costs is None:
+            return
+        cal = self._calibrated.verify_step.get(b)
+        if not cal:
             return
         verify = self.costs.verify_step.setdefault(b, {})
         now = dict(verify)

@@ -585,8 +585,8 @@ class RolloutEngine:
         self._truncate_proposers(active)
         drafted = sum(row_lens)
         # Acceptance counts the drafts of the text only: past a stop token the sequence has ended, and a drafter
-        # that is a copy of the policy goes on agreeing with it there (quantized_self "accepted" 16% more tokens
-        # than it emitted at batch 2). Where the text ends is the stop hazard's part (`StepRecord.stopped`).
+        # that is a copy of the policy goes on agreeing with it there (quantized_self at γ=8 and batch 2: accepted
+        # drafts and bonus tokens 815, emitted 688). Where the text ends is the stop hazard's part (`StepRecord.stopped`).
         nacc_text = [min(a, e) for a, e in zip(nacc, in_text)]
         accepted = sum(nacc_text)
         # per draft position: rows that tested it (accepted every draft before it) and rows that accepted it
