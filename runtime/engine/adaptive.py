@@ -319,14 +319,18 @@ class AdaptiveController:
         """Proposer `method`'s acceptance per draft position (its α alone before any record carried positions),
         each raised by `optimism`: what the cost model's expected tokens per round read."""
         positions = self._positions[method]
+        alpha = self.alpha[method]
         tested = sum(t for _, t in positions)
-        if tested <= 0:
-            return min(self.alpha[method] + optimism, 1.0)
-        level = sum(a for a, _ in positions) / tested
+        if tested <= 0 or alpha <= 0:
+            return min(alpha + optimism, 1.0)
+        # The shape's level is shrunk towards α by `POSITION_PRIOR` tokens, as each position is towards the one
+        # before: a proposer's first round at batch 1 rejected its first draft (1 tested, 0 accepted), the raw
+        # level was 0, every position's acceptance with it, and no probe ever ran the draft model again.
+        level = (sum(a for a, _ in positions) + POSITION_PRIOR * alpha) / (tested + POSITION_PRIOR)
         out, p = [], level
         for accepted_j, tested_j in positions:
             p = (accepted_j + POSITION_PRIOR * p) / (tested_j + POSITION_PRIOR)
-            out.append(min(self.alpha[method] * p / level + optimism, 1.0) if level > 0 else optimism)
+            out.append(min(alpha * p / level + optimism, 1.0))
         return out
 
     def stop_hazard(self, batch: int) -> float:

@@ -73,6 +73,26 @@ def test_draft_length_follows_acceptance_per_position() -> None:
     assert achieved >= 0.95 * machine.best_fixed(1, 1500), ctrl.stats()
 
 
+def test_one_rejected_round_does_not_zero_a_proposers_acceptance() -> None:
+    # The draft model's first round at batch 1 rejected its first draft (1 position tested, 0 accepted). Its
+    # acceptance per position must stay near the calibrated α (here 0.88 shrunk by one token of evidence), not
+    # fall to 0: at 0 the draft model looked like 0.73x plain decoding at batch 1, no probe could win, and the
+    # policy decoded plainly there for the rest of the run (measured: 0.45x the draft model's rate).
+    model = memory_bound_model()
+    ctrl = AdaptiveController(["draft_model"], cost_model=model, alpha_priors={"draft_model": 0.88},
+                              settings=AdaptiveSettings(probe=0.0))
+    d = Decision("draft_model", 5)
+    ctrl.observe(d, record(d, 1, 0, 8e-3, 0.4e-3, tried=1, tested_at=(1, 0, 0, 0, 0), accepted_at=(0,) * 5))
+    acceptance = ctrl.acceptance("draft_model")
+    assert isinstance(acceptance, list) and min(acceptance) > 0.8, acceptance
+    assert ctrl.decide(1).method == "draft_model"
+    # evidence still moves the shape: position 1 rejected every time (2000 rounds), the later ones never tested
+    for _ in range(2000):
+        ctrl.observe(d, record(d, 1, 0, 8e-3, 0.4e-3, tried=1, tested_at=(1, 0, 0, 0, 0), accepted_at=(0,) * 5))
+    assert ctrl.acceptance("draft_model")[0] < 0.05
+    assert ctrl.decide(1) == AR
+
+
 def test_predicted_speedup_reproduces_the_testing_note_numbers() -> None:
     # TESTING.md: γ=4, r=0.06, v=1.57 at batch 1 -> 1.6× at α=0.75 and 2.0× at α=0.85
     assert predicted_speedup(0.75, 4, 0.06, 1.57) == pytest.approx(1.68, abs=0.05)
@@ -484,7 +504,9 @@ def test_stop_hazard_shortens_drafts_of_a_drafter_that_agrees_past_the_end() -> 
     short = ctrl.table(1)["draft_model"]
     assert short[1].gamma < long_gamma
     assert ctrl.costs is not None
-    continuing = ctrl.alpha["draft_model"] * (1 - ctrl.stop_hazard(1))
+    keep = 1 - ctrl.stop_hazard(1)
+    continuing = ctrl.continuing("draft_model", 1)
+    assert continuing == pytest.approx([p * keep for p in ctrl.acceptance("draft_model")])  # type: ignore[union-attr]
     assert short[0] == pytest.approx(ctrl.costs.best_gamma("draft_model", 1, continuing, ctrl.settings.gammas())[1])
     assert ctrl.stats()["stop_hazard_by_batch_size"] == {1: round(ctrl.stop_hazard(1), 4)}
 
