@@ -26,6 +26,8 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   the policy agrees with it past the end of a response too; on the benchmark's short responses (median 13 tokens)
   quantized_self at γ=8 and batch 2 emitted 16% fewer tokens than it had accepted, and the argmax, blind to it,
   chose it at 0.8x the draft model's rate;
+* **margin**: a proposer runs only where it is predicted `margin` faster than plain decoding (its speed is an
+  estimate, plain decoding's a measurement: in a near-tie the error is larger than the gain);
 * **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice
   by `hysteresis` (a proposer with its own KV cache pays a catch-up on every token it missed when it is switched
   back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
@@ -105,6 +107,11 @@ class AdaptiveSettings:
     min_gamma: int = 1
     max_gamma: int = 8
     hysteresis: float = 0.05
+    # Speculation runs only where it is predicted at least this much faster than plain decoding, whatever ran
+    # before: its speed is an estimate (acceptance, stop hazard, verify costs interpolated between lengths), plain
+    # decoding's a measurement, and in a near-tie the estimate's error is larger than the gain (batch 16 on an AVX512
+    # machine: draft_model γ=1 predicted 1.009x plain, ran at 0.95x).
+    margin: float = 0.02
     probe: float = 0.01  # share of steps that refresh the stalest option (spec.speculative.adaptive.epsilon)
     probe_run: int = 4  # steps in a row per probe (one round says little about acceptance at batch 1)
     probe_max_batch: int = 16  # no probes above this active batch size (see the module docstring)
@@ -133,9 +140,9 @@ class AdaptiveSettings:
         if not self.min_gamma <= self.gamma <= self.max_gamma:
             raise ValueError(f"numSpeculativeTokens: {self.gamma} outside [minDraftTokens, maxDraftTokens] = "
                              f"[{self.min_gamma}, {self.max_gamma}]")
-        if self.hysteresis < 0 or not 0 <= self.probe <= 1 or not 0 <= self.probe_optimism <= 1:
-            raise ValueError(f"hysteresis must be >= 0, probe and probe_optimism in [0, 1], got {self.hysteresis}, "
-                             f"{self.probe}, {self.probe_optimism}")
+        if self.hysteresis < 0 or self.margin < 0 or not 0 <= self.probe <= 1 or not 0 <= self.probe_optimism <= 1:
+            raise ValueError(f"hysteresis and margin must be >= 0, probe and probe_optimism in [0, 1], got "
+                             f"{self.hysteresis}, {self.margin}, {self.probe}, {self.probe_optimism}")
         if self.warm_max_draft_cost < 0:
             raise ValueError(f"warm_max_draft_cost must be >= 0, got {self.warm_max_draft_cost}")
         if not self.alpha_memory > 0 or not self.shape_memory > 0 or not self.stop_memory > 0:
@@ -224,7 +231,13 @@ class AdaptiveController:
         if best is not None and incumbent in options \
                 and options[best][0] < options[incumbent][0] * (1 + self.settings.hysteresis):
             best = incumbent
-        return options[best][1]
+        return options[self._or_plain(options, best)][1]
+
+    def _or_plain(self, options: Mapping[str | None, tuple[float, Decision]], option: str | None) -> str | None:
+        """`option`, or plain decoding where that is an option and `option` does not beat it by `margin`."""
+        if option is not None and None in options and options[option][0] < options[None][0] * (1 + self.settings.margin):
+            return None
+        return option
 
     def _probe(self, batch: int) -> Decision | None:
         """An option to measure this step instead of the argmax, or None."""
@@ -488,7 +501,8 @@ class AdaptiveController:
         for b in range(1, max_batch + 1):
             options: dict[str | None, tuple[float, Decision]] = \
                 self.table(b) if self.methods else {None: (1.0, AR)}
-            k = options[max(options, key=lambda o: options[o][0])][1].gamma if options else self.settings.gamma
+            k = options[self._or_plain(options, max(options, key=lambda o: options[o][0]))][1].gamma \
+                if options else self.settings.gamma
             if ranges and ranges[-1][2] == k:
                 ranges[-1][1] = b
             else:

@@ -89,7 +89,8 @@ def test_one_rejected_round_does_not_zero_a_proposers_acceptance() -> None:
     # evidence still moves the shape: position 1 rejected every time (2000 rounds), the later ones never tested
     for _ in range(2000):
         ctrl.observe(d, record(d, 1, 0, 8e-3, 0.4e-3, tried=1, tested_at=(1, 0, 0, 0, 0), accepted_at=(0,) * 5))
-    assert ctrl.acceptance("draft_model")[0] < 0.05
+    acceptance = ctrl.acceptance("draft_model")
+    assert isinstance(acceptance, list) and acceptance[0] < 0.05
     assert ctrl.decide(1) == AR
 
 
@@ -143,6 +144,26 @@ def test_falling_back_to_plain_decoding_is_not_held_back() -> None:
     assert ctrl.table(2)["ngram"][0] == pytest.approx(0.98, abs=1e-3)
     assert ctrl.decide(2) == AR
     assert ctrl.decide(1) == Decision("ngram", 1)
+
+
+def test_a_near_tie_decodes_plainly_even_after_speculation() -> None:
+    # Predicted 1.01x plain at batch 16 (a speculative incumbent from the tail before): within the margin, plain
+    # decoding runs; predicted 1.05x: speculation runs, and the margin is a setting.
+    costs = CostModel(target_step={1: 1.0, 16: 1.0}, verify_step={1: {1: 1.0, 2: 1.0}, 16: {1: 1.0, 2: 1.8}},
+                      draft_step={"draft_model": {1: 0.02, 16: 0.02}})
+    ctrl = policy(["draft_model"], costs, alpha=0.84, max_gamma=1, gamma=1)
+    assert ctrl.decide(1) == Decision("draft_model", 1)
+    assert ctrl.table(16)["draft_model"][0] == pytest.approx(1.84 / 1.82)
+    assert ctrl.decide(16) == AR
+    assert ctrl.per_batch_size_gamma(16) == [[1, 15, 1], [16, 16, 0]]
+    assert policy(["draft_model"], costs, alpha=0.84, max_gamma=1, gamma=1, margin=0.0, hysteresis=0.0).decide(16).method \
+        == "draft_model"
+    faster = CostModel(target_step={16: 1.0}, verify_step={16: {1: 1.0, 2: 1.73}},
+                       draft_step={"draft_model": {16: 0.02}})
+    assert policy(["draft_model"], faster, alpha=0.84, max_gamma=1, gamma=1, hysteresis=0.0).decide(16).method \
+        == "draft_model"
+    with pytest.raises(ValueError, match="margin"):
+        AdaptiveSettings(margin=-0.1)
 
 
 def test_draft_length_grows_with_acceptance() -> None:
