@@ -231,6 +231,20 @@ static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, const bf16* S, 
                     int64_t N, int64_t n, float* comb) {
   const int64_t G = K / 32, B = K / 64;
   const __m256i lo = _mm256_set1_epi8(0x0F);
+  if (m0 == 0) {
+    // The weight rows two tiles ahead, scales and mins included, into cache now: a row is a few hundred bytes
+    // (288 at K = 576), too short a run for the hardware prefetcher, and without this the 30 layers of the SmolLM2
+    // drafter read their 66 MB at 8 GB/s, 9 with it (4.2 ms of the 7.2 are the arithmetic: weights hot in cache).
+    const int64_t ahead = std::min<int64_t>(n + 2 * R, N), until = std::min<int64_t>(n + 3 * R, N);
+    if (ahead < until) {
+      const char* w = (const char*)(Wq + ahead * (K / 2));
+      for (int64_t off = 0; off < (until - ahead) * (K / 2); off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
+      for (int64_t off = 0; off < (until - ahead) * G * 2; off += 64) {
+        _mm_prefetch((const char*)(S + ahead * G) + off, _MM_HINT_T0);
+        _mm_prefetch((const char*)(Mn + ahead * G) + off, _MM_HINT_T0);
+      }
+    }
+  }
   float bias[R][MB];
   for (int r = 0; r < R; ++r) {
     const bf16* sr = S + (n + r) * G;
@@ -257,7 +271,6 @@ static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, const bf16* S, 
     __m512i qa[R], qb[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* wr = Wq + (n + r) * (K / 2) + b * 32;
-      _mm_prefetch((const char*)(wr + 256), _MM_HINT_T0);
       const __m256i packed = _mm256_loadu_si256((const __m256i*)wr);
       qa[r] = _mm512_cvtepu8_epi16(_mm256_and_si256(packed, lo));  // k 64b .. 64b+31
       qb[r] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), lo));
