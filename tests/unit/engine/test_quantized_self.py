@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from specrl.runtime.engine import RolloutEngine, SamplingParams, SpeculativeConfig
+from specrl.runtime.engine.model_runner import native_bf16
 from specrl.runtime.engine.proposers import QuantizedSelfProposer
 
 from .conftest import make_model
@@ -26,12 +27,16 @@ def greedy_equal(model: torch.nn.Module, dtype: str, bits: int | None) -> Rollou
 
 
 def test_drafts_over_the_target_cache() -> None:
-    engine = greedy_equal(make_model("llama", layers=2, hidden=64, seed=4, head_std=0.5), "float32", None)
-    # rejected drafts left the drafter's K/V past the target's length: the verifications overwrote them
-    assert engine.stats.draft_tokens > engine.stats.accepted_tokens
-    drafter = engine.proposers["quantized_self"]
-    assert isinstance(drafter, QuantizedSelfProposer) and drafter.shares_target_cache
-    assert getattr(drafter, "cache", None) is None  # no cache of its own was allocated
+    # int8 computes in the target's dtype on every CPU; the 4-bit kernels compute in bfloat16 where the CPU has
+    # AVX512-BF16 (a bfloat16 target then shares its cache with them), in float32 elsewhere
+    four_bit = "bfloat16" if native_bf16() else "float32"
+    for dtype, bits in (("float32", 8), (four_bit, None)):
+        engine = greedy_equal(make_model("llama", layers=2, hidden=64, seed=4, head_std=0.5), dtype, bits)
+        # rejected drafts left the drafter's K/V past the target's length: the verifications overwrote them
+        assert engine.stats.draft_tokens > engine.stats.accepted_tokens
+        drafter = engine.proposers["quantized_self"]
+        assert isinstance(drafter, QuantizedSelfProposer) and drafter.shares_target_cache, (dtype, bits)
+        assert getattr(drafter, "cache", None) is None  # no cache of its own was allocated
 
 
 def test_keeps_its_own_cache_in_another_dtype() -> None:
