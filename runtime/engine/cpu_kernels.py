@@ -201,8 +201,9 @@ struct XQ {
 };
 
 static void quantize_x(const bf16* X, int64_t M, int64_t K, XQ& out) {
-  // 16 lanes at a time (a scalar loop with lrint was ~0.5 ms of a 30-layer draft token); the division and the
-  // round-to-nearest-even conversion are what the scalar `lrint(x / sc)` computes, lane by lane
+  // 16 lanes at a time (from a scalar loop with lrint: SmolLM2's 4-bit matmuls per draft token 9.8 -> 9.3 ms at 2
+  // rows, 5.73 -> 5.68 at 1); the division and the round-to-nearest-even conversion are what the scalar
+  // `lrint(x / sc)` computes, lane by lane
   const int64_t G = K / 32;
   out.q.resize(M * K); out.scale.resize(M * G); out.sum.resize(M * G);
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
