@@ -5,9 +5,9 @@ plus ~15 small elementwise ops per layer. Measured here (one thread, weights str
 packed bf16 matmul reads weights at 9-12 GB/s for one row where a plain `sum` streams 14-16 GB/s, and ATen's
 per-op dispatch adds ~9 ms per step (30 layers x ~12 ops). `linear_bf16` multiplies a few rows by a weight
 packed once into `vdpbf16ps`'s pair layout (`pack_bf16`; fp32 accumulation in vector lanes, round-to-nearest-even
-output like oneDNN's), tiles of up to 8 rows x 128 columns in registers, so up to 8 rows read the weights once:
-24 GB/s at one row on SmolLM2, and from ~4 rows on the chip's bf16 dot-product throughput bounds it (~36 GMAC/s a
-core on the Xeon measured here). `decode_layers` runs a whole stack of Llama layers for a few tokens of each of a
+output like oneDNN's), tiles of up to 6 rows x 64 columns in registers, so up to 6 rows read the weights once as
+one sequential stream: 90% of a streaming `sum` at one row on SmolLM2 (Zen 4 EPYC), and from ~4 rows on the chip's
+bf16 dot-product throughput bounds it (~36 GMAC/s a core on the Xeon measured here). `decode_layers` runs a whole stack of Llama layers for a few tokens of each of a
 few sequences in one call (norms, fused qkv, rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16
 at the same points as the ATen path; its elementwise work (roundings, norms, rotary, SiLU, softmax) runs 16 lanes at
 a time with a vector exp (scalar `std::exp` and bf16 roundings cost ~20 µs per row and layer at 512 wide, 12-15% of a
@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# Blocks of 16 output columns per packed group (`pack_bf16`); the kernels' source gets the same number.
+GROUP = 4
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -115,27 +118,39 @@ static void residual_add(bf16* h, const float* y, int64_t n) {
   for (; i < n; ++i) h[i] = to_bf16(from_bf16(h[i]) + rb(y[i]));
 }
 
-// bf16 weights for the kernels are packed once (`pack_bf16` in Python): [ceil(N/16)][K/2][16][2], so for a block of
-// 16 output columns and an input pair (k, k+1) the 16 columns' two weights are one 64-byte vector, which
-// `vdpbf16ps` multiplies with the broadcast activation pair. Outputs then accumulate in vector lanes (no horizontal
-// sums), a tile of MB rows x NB column blocks keeps MB x NB accumulators in registers, and every output is the
-// same sequence of pairwise products whatever MB, NB or M: a row's result does not depend on the rows computed with
-// it (a verification computes each token as a one-token step does; batched decoding is batch-invariant).
+// bf16 weights for the kernels are packed once (`pack_bf16` in Python) in groups of GROUP blocks of 16 output
+// columns: [ceil(blocks/GROUP)][K/2][GROUP][16][2] (the last group narrower). For one block and an input pair
+// (k, k+1) the 16 columns' two weights are one 64-byte vector, which `vdpbf16ps` multiplies with the broadcast
+// activation pair, so outputs accumulate in vector lanes (no horizontal sums); a group's GROUP vectors for one pair
+// are adjacent, so a tile of GROUP blocks reads one sequential stream. Why one stream: one block per stream (eight
+// streams a tile, software prefetch on each) read SmolLM2's weights at 71% of a streaming `sum` on the Zen 4 EPYC,
+// one stream of four blocks without software prefetch at 90-92% at one and five rows (the hardware prefetcher
+// follows one stream; the prefetch instructions only cost issue slots). A tile of MB rows x GROUP blocks keeps
+// MB x GROUP accumulators in registers, and every output is the same sequence of pairwise products whatever MB or
+// M: a row's result does not depend on the rows computed with it (a verification computes each token as a
+// one-token step does; batched decoding is batch-invariant).
+constexpr int GROUP = @GROUP@;
+
+// Block j of a packed weight: its first vector and the distance between consecutive input pairs' vectors.
+static inline const bf16* block_at(const bf16* Wp, int64_t j, int64_t blocks, int64_t K, int64_t* stride) {
+  const int64_t g0 = j / GROUP * GROUP;
+  *stride = std::min<int64_t>(GROUP, blocks - g0) * 32;
+  return Wp + g0 * 16 * K + (j - g0) * 32;
+}
+
 template <int MB, int NB>
 static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0, int64_t K, int64_t N) {
-  const int64_t K2 = K / 2;
+  const int64_t K2 = K / 2, blocks = (N + 15) / 16;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   const bf16* xr[MB];
   for (int m = 0; m < MB; ++m) xr[m] = X + (m0 + m) * K;
   const bf16* wb[NB];
-  for (int j = 0; j < NB; ++j) wb[j] = Wp + (j0 + j) * K2 * 32;
+  int64_t stride[NB];
+  for (int j = 0; j < NB; ++j) wb[j] = block_at(Wp, j0 + j, blocks, K, &stride[j]);
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     __m512bh w[NB];
-    for (int j = 0; j < NB; ++j) {
-      _mm_prefetch((const char*)(wb[j] + k2 * 32 + 512), _MM_HINT_T0);
-      w[j] = (__m512bh)_mm512_loadu_si512(wb[j] + k2 * 32);
-    }
+    for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wb[j] + k2 * stride[j]);
     for (int m = 0; m < MB; ++m) {
       int32_t pair;  // (x_2k2, x_2k2+1) as one 32-bit lane
       std::memcpy(&pair, xr[m] + 2 * k2, 4);
@@ -152,28 +167,26 @@ static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0
     }
 }
 
-// Rows m0..m0+MB against column blocks j_lo..j_hi, NB blocks a tile (registers: MB x NB accumulators + NB weights).
+// Rows m0..m0+MB against column blocks j_lo..j_hi (whole groups but the last): a whole group a tile (registers: MB x
+// GROUP accumulators + GROUP weights, at most 6 x 4 + 4 + 1 of 32), the narrower last group a block at a time.
 template <int MB>
 static void row_chunk(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j_lo, int64_t j_hi, int64_t K,
                       int64_t N) {
-  constexpr int NB = MB <= 2 ? 8 : MB <= 6 ? 4 : 3;
   int64_t j = j_lo;
-  for (; j + NB <= j_hi; j += NB) tile<MB, NB>(X, Wp, Y, m0, j, K, N);
+  for (; j + GROUP <= j_hi; j += GROUP) tile<MB, GROUP>(X, Wp, Y, m0, j, K, N);
   for (; j < j_hi; ++j) tile<MB, 1>(X, Wp, Y, m0, j, K, N);
 }
 
-// fp32 Y[M, N] = X[M, K] W[N, K]^T (+ bias) with W packed by `pack_bf16`, K even. Columns go in groups of 8 blocks
-// (128 columns): all row chunks of 8 run over one group before the next, so with many rows a group's weights are
-// re-read from L2, not memory, and up to 8 rows read them once.
+// fp32 Y[M, N] = X[M, K] W[N, K]^T (+ bias) with W packed by `pack_bf16`, K even. Columns go in spans of 8 blocks
+// (128 columns, two groups): all row chunks of 6 run over one span before the next, so with many rows a span's
+// weights are re-read from L2, not memory, and up to 6 rows read them once.
 static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, int64_t M, int64_t K, int64_t N) {
   const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, (blocks + 7) / 8, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t j_lo = g * 8, j_hi = std::min<int64_t>(blocks, j_lo + 8);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        switch (std::min<int64_t>(8, M - m0)) {
-          case 8: row_chunk<8>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
-          case 7: row_chunk<7>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
+      for (int64_t m0 = 0; m0 < M; m0 += 6) {
+        switch (std::min<int64_t>(6, M - m0)) {
           case 6: row_chunk<6>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
           case 5: row_chunk<5>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
           case 4: row_chunk<4>(X, Wp, Y, m0, j_lo, j_hi, K, N); break;
@@ -585,7 +598,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend);
   m.def("linear_q4", &linear_q4);
 }
-"""
+""".replace("@GROUP@", str(GROUP))
 
 _lock = threading.Lock()
 _built: dict[str, Any] = {}  # extension name -> its module, or None where it did not build
@@ -645,11 +658,14 @@ def load() -> Any:
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bfloat16 -> the kernels' layout [ceil(N/16), K/2, 16, 2] (16 output columns' weights for one input
-    pair side by side; rows past N are zero)."""
+    """[N, K] bfloat16 -> the kernels' layout: blocks of 16 output columns (rows past N zero) in groups of
+    `GROUP` blocks, [groups][K/2][GROUP][16][2], the last group narrower. For one input pair a group's weights are
+    adjacent, so a tile of a group reads one sequential stream."""
     n, k = weight.shape
     w = weight if n % 16 == 0 else torch.cat([weight, weight.new_zeros((-n) % 16, k)])
-    return w.view(-1, 16, k // 2, 2).transpose(1, 2).contiguous()
+    blocks = w.view(-1, 16, k // 2, 2).transpose(1, 2)  # [blocks, K/2, 16, 2]
+    groups = [blocks[g : g + GROUP].transpose(0, 1).reshape(-1) for g in range(0, blocks.shape[0], GROUP)]
+    return torch.cat(groups)
 
 
 def available() -> bool:

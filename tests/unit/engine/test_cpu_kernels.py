@@ -99,8 +99,8 @@ def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
 
 @needs_kernels
 def test_linear_bf16_rows_do_not_depend_on_the_batch() -> None:
-    # rows go in chunks of 8 with tiles of 8, 4 or 3 column blocks by chunk size (70 columns: a partial block):
-    # every row must round as it does alone
+    # rows go in chunks of up to 6 against tiles of a group of 4 column blocks, the narrower last group a block at a
+    # time (70 columns: a group and a partial block): every row must round as it does alone
     g = torch.Generator().manual_seed(5)
     w = cpu_kernels.pack_bf16(torch.randn(70, 128, generator=g).to(torch.bfloat16))
     x = torch.randn(21, 128, generator=g).to(torch.bfloat16)
