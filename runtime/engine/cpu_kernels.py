@@ -202,23 +202,32 @@ static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, in
 }
 
 // ---- 4-bit weights (the quantized_self drafter) ---------------------------------------------------------------
-// Layout per row: K/64 blocks of 32 bytes, byte j = q[64b + j] | q[64b + 32 + j] << 4 (q in 0..15), and per group
-// of 32 input channels a bf16 scale and min (w = scale * q + min), stored [N, K/32]. Activations are quantized to
-// int16 per group of 32 (scale max|x|/32767; int8 activations cost the SmolLM2 drafter acceptance 0.93 -> 0.79)
-// so `vpdpwssd` does the products: sum_k w_k x_k = sum_g scale_g xscale_g sum_{k in g} q_k x16_k
-// + sum_g min_g sum_{k in g} x_k. A drafter need not be exact (the rejection sampler uses its actual distribution).
+// w = scale * q + min per group of 32 input channels (q in 0..15). Activations are quantized to int16 per group of
+// 32 (scale max|x|/32767; int8 activations cost the SmolLM2 drafter acceptance 0.93 -> 0.79) and split into a
+// signed high byte and an unsigned low byte, x16 = 256 h + l, so `vpdpbusd` (u8 x s8, four products a 32-bit lane)
+// does the products: sum_{k in g} q_k x16_k = 256 sum q_k h_k + sum q_k l_k, exact in int32, and
+// sum_k w_k x_k = sum_g scale_g xscale_g (that integer) + sum_g min_g sum_{k in g} x_k.
+// Layout (`pack_q4`): like the bf16 weights, blocks of 16 output columns in groups of GROUP blocks, a 32-bit lane per
+// column: [groups][K/8][GROUP][16] x 4 bytes, byte b of column n's lane for inputs 8c..8c+7 holding
+// q[8c + b] | q[8c + 4 + b] << 4, so one AND and one shift give the four-input byte vectors `vpdpbusd` takes, for
+// 16 columns at once; scales and mins bf16 [groups][K/32][GROUP][16]. Why this layout: the previous one (a row of
+// nibbles per output column, widened to 16-bit lanes for `vpdpwssd`, a horizontal sum per column) spent ~12 vector
+// ops per 64 products and read SmolLM2's drafter weights at ~9 GB/s, arithmetic-bound; this one spends ~5.
+// A drafter need not be exact (the rejection sampler uses its actual distribution), but every output is the same
+// sequence of operations whatever the rows computed with it (integer sums per group, then one fold per group in
+// order), so drafting is batch-invariant too.
 struct XQ {
-  std::vector<int16_t> q;     // [M, K]
+  std::vector<uint8_t> lo;    // [M, K] low bytes of the int16 activations
+  std::vector<int8_t> hi;     // [M, K] high bytes
   std::vector<float> scale;   // [M, G]
   std::vector<float> sum;     // [M, G]
 };
 
 static void quantize_x(const bf16* X, int64_t M, int64_t K, XQ& out) {
-  // 16 lanes at a time (from a scalar loop with lrint: SmolLM2's 4-bit matmuls per draft token 9.8 -> 9.3 ms at 2
-  // rows, 5.73 -> 5.68 at 1); the division and the round-to-nearest-even conversion are what the scalar
-  // `lrint(x / sc)` computes, lane by lane
+  // 16 lanes at a time; the division and the round-to-nearest-even conversion are what a scalar `lrint(x / sc)`
+  // computes, lane by lane
   const int64_t G = K / 32;
-  out.q.resize(M * K); out.scale.resize(M * G); out.sum.resize(M * G);
+  out.lo.resize(M * K); out.hi.resize(M * K); out.scale.resize(M * G); out.sum.resize(M * G);
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
@@ -228,130 +237,140 @@ static void quantize_x(const bf16* X, int64_t M, int64_t K, XQ& out) {
       const float sc = amax > 0.f ? amax / 32767.f : 1.f;
       const __m512 vs = _mm512_set1_ps(sc);
       const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, vs)), qb = _mm512_cvtps_epi32(_mm512_div_ps(b, vs));
-      _mm256_storeu_si256((__m256i*)(out.q.data() + m * K + g * 32), _mm512_cvtsepi32_epi16(qa));
-      _mm256_storeu_si256((__m256i*)(out.q.data() + m * K + g * 32 + 16), _mm512_cvtsepi32_epi16(qb));
+      const int64_t o = m * K + g * 32;
+      _mm_storeu_si128((__m128i*)(out.lo.data() + o), _mm512_cvtepi32_epi8(qa));  // truncation: the low byte
+      _mm_storeu_si128((__m128i*)(out.lo.data() + o + 16), _mm512_cvtepi32_epi8(qb));
+      _mm_storeu_si128((__m128i*)(out.hi.data() + o), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qa, 8)));
+      _mm_storeu_si128((__m128i*)(out.hi.data() + o + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qb, 8)));
       out.scale[m * G + g] = sc;
       out.sum[m * G + g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
     }
 }
 
-// R weight rows x MB activation rows at a time: each weight row's block is unpacked once for all MB activation rows,
-// and the R x MB accumulators are independent chains. (One row at a time, one accumulator, was a chain of dependent
-// FMAs: 7 GB/s of nibbles at one activation row on a Zen 4 core, and every further row cost as much again, so the
-// SmolLM2 drafter cost 0.8 plain bf16 steps a token at batch 1 and more than one from batch 2.) Every output is the
-// same sequence of operations whatever R, MB or M: a row's result does not depend on the rows computed with it.
-template <int R, int MB>
-static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, const bf16* S, const bf16* Mn, float* Y, int64_t K,
-                    int64_t N, int64_t n, float* comb) {
-  const int64_t G = K / 32, B = K / 64;
-  const __m256i lo = _mm256_set1_epi8(0x0F);
-  if (m0 == 0) {
-    // The weight rows two tiles ahead, scales and mins included, into cache now: a row is a few hundred bytes
-    // (288 at K = 576), too short a run for the hardware prefetcher, and without this the 30 layers of the SmolLM2
-    // drafter read their 66 MB at 8 GB/s, 9 with it (4.2 ms of the 7.2 are the arithmetic: weights hot in cache).
-    const int64_t ahead = std::min<int64_t>(n + 2 * R, N), until = std::min<int64_t>(n + 3 * R, N);
-    if (ahead < until) {
-      const char* w = (const char*)(Wq + ahead * (K / 2));
-      for (int64_t off = 0; off < (until - ahead) * (K / 2); off += 64) _mm_prefetch(w + off, _MM_HINT_T0);
-      for (int64_t off = 0; off < (until - ahead) * G * 2; off += 64) {
-        _mm_prefetch((const char*)(S + ahead * G) + off, _MM_HINT_T0);
-        _mm_prefetch((const char*)(Mn + ahead * G) + off, _MM_HINT_T0);
-      }
-    }
-  }
-  float bias[R][MB];
-  for (int r = 0; r < R; ++r) {
-    const bf16* sr = S + (n + r) * G;
-    const bf16* mr = Mn + (n + r) * G;
-    for (int m = 0; m < MB; ++m) {  // comb[r][m][g] = scale_g * xscale_g; bias = sum_g min_g * xsum_g
-      const float* xs = xq.scale.data() + (m0 + m) * G;
-      const float* xsum = xq.sum.data() + (m0 + m) * G;
-      float* c = comb + (r * MB + m) * G;
-      __m512 bacc = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; g += 16) {
-        const __mmask16 mk = (G - g) >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-        auto ld = [&](const bf16* p) {
-          return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
-        };
-        _mm512_mask_storeu_ps(c + g, mk, _mm512_mul_ps(ld(sr + g), _mm512_maskz_loadu_ps(mk, xs + g)));
-        bacc = _mm512_fmadd_ps(ld(mr + g), _mm512_maskz_loadu_ps(mk, xsum + g), bacc);
-      }
-      bias[r][m] = _mm512_reduce_add_ps(bacc);
-    }
-  }
-  __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r) for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    __m512i qa[R], qb[R];
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* wr = Wq + (n + r) * (K / 2) + b * 32;
-      const __m256i packed = _mm256_loadu_si256((const __m256i*)wr);
-      qa[r] = _mm512_cvtepu8_epi16(_mm256_and_si256(packed, lo));  // k 64b .. 64b+31
-      qb[r] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), lo));
-    }
-    for (int m = 0; m < MB; ++m) {
-      const int16_t* xr = xq.q.data() + (m0 + m) * K + b * 64;
-      const __m512i xa = _mm512_loadu_si512(xr), xb = _mm512_loadu_si512(xr + 32);
-      for (int r = 0; r < R; ++r) {
-        const float* c = comb + (r * MB + m) * G + 2 * b;
-        const __m512i da = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qa[r], xa);
-        const __m512i db = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qb[r], xb);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(da), _mm512_set1_ps(c[0]), acc[r][m]);
-        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(db), _mm512_set1_ps(c[1]), acc[r][m]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) Y[(m0 + m) * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + bias[r][m];
+static inline __m512 load_bf16x16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-template <int R>
-static void q4_rows(const XQ& xq, int64_t M, const uint8_t* Wq, const bf16* S, const bf16* Mn, float* Y, int64_t K,
-                    int64_t N, int64_t n, float* comb) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 4: q4_tile<R, 4>(xq, m0, Wq, S, Mn, Y, K, N, n, comb); break;
-      case 3: q4_tile<R, 3>(xq, m0, Wq, S, Mn, Y, K, N, n, comb); break;
-      case 2: q4_tile<R, 2>(xq, m0, Wq, S, Mn, Y, K, N, n, comb); break;
-      default: q4_tile<R, 1>(xq, m0, Wq, S, Mn, Y, K, N, n, comb); break;
+// MB activation rows x NB blocks of 16 columns (blocks j0.. of one group of gw blocks at Wq / S / Mn): per group of 32
+// inputs, two integer accumulators (high and low bytes) per row and block, folded into a float one.
+template <int MB, int NB>
+static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, const bf16* S, const bf16* Mn, int64_t gw, int64_t j0,
+                    float* Y, int64_t K, int64_t N, int64_t n0) {
+  const int64_t G = K / 32;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i il[MB][NB], ih[MB][NB];
+    for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) il[m][j] = ih[m][j] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* w = Wq + ((g * 4 + c) * gw + j0) * 64;
+      __m512i wl[NB], wh[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m512i v = _mm512_loadu_si512(w + j * 64);
+        wl[j] = _mm512_and_si512(v, nib);                          // inputs 8c .. 8c+3
+        wh[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);    // inputs 8c+4 .. 8c+7
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t o = (m0 + m) * K + g * 32 + c * 8;
+        int32_t l0, l1, h0, h1;
+        std::memcpy(&l0, xq.lo.data() + o, 4); std::memcpy(&l1, xq.lo.data() + o + 4, 4);
+        std::memcpy(&h0, xq.hi.data() + o, 4); std::memcpy(&h1, xq.hi.data() + o + 4, 4);
+        const __m512i L0 = _mm512_set1_epi32(l0), L1 = _mm512_set1_epi32(l1);
+        const __m512i H0 = _mm512_set1_epi32(h0), H1 = _mm512_set1_epi32(h1);
+        for (int j = 0; j < NB; ++j) {
+          il[m][j] = _mm512_dpbusd_epi32(il[m][j], L0, wl[j]);  // unsigned low bytes x the codes (as signed)
+          il[m][j] = _mm512_dpbusd_epi32(il[m][j], L1, wh[j]);
+          ih[m][j] = _mm512_dpbusd_epi32(ih[m][j], wl[j], H0);  // the codes (unsigned) x signed high bytes
+          ih[m][j] = _mm512_dpbusd_epi32(ih[m][j], wh[j], H1);
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 s = load_bf16x16(S + (g * gw + j0 + j) * 16), mn = load_bf16x16(Mn + (g * gw + j0 + j) * 16);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ih[m][j], 8), il[m][j]);
+        const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[(m0 + m) * G + g]));
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sx, acc[m][j]);
+        acc[m][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xq.sum[(m0 + m) * G + g]), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t n = n0 + j * 16;
+      float* y = Y + (m0 + m) * N + n;
+      if (n + 16 <= N) _mm512_storeu_ps(y, acc[m][j]);
+      else _mm512_mask_storeu_ps(y, (__mmask16)((1u << (N - n)) - 1), acc[m][j]);
+    }
+}
+
+// One group of gw blocks (64 columns for a whole group) for all M rows: one row with the whole group a tile (its
+// weights one sequential stream), more rows two at a time against two blocks (registers: 2 x 2 x 3 accumulators).
+template <int NB>
+static void q4_group(const XQ& xq, int64_t M, const uint8_t* Wq, const bf16* S, const bf16* Mn, int64_t gw, float* Y,
+                     int64_t K, int64_t N, int64_t n0) {
+  for (int64_t m0 = 0; m0 < M;) {
+    if (M - m0 == 1) {
+      int64_t j = 0;
+      for (; j + NB <= gw; j += NB) q4_tile<1, NB>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
+      for (; j < gw; ++j) q4_tile<1, 1>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
+      m0 += 1;
+    } else {
+      int64_t j = 0;
+      for (; j + 2 <= gw; j += 2) q4_tile<2, 2>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
+      for (; j < gw; ++j) q4_tile<2, 1>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
+      m0 += 2;
     }
   }
 }
 
 static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, const bf16* S, const bf16* Mn, float* Y,
                       int64_t K, int64_t N) {
-  const int64_t G = K / 32;
-  at::parallel_for(0, (N + 3) / 4, 16, [&](int64_t q0, int64_t q1) {
-    std::vector<float> comb(4 * 4 * G);
+  const int64_t blocks = (N + 15) / 16, G = K / 32;
+  at::parallel_for(0, (blocks + GROUP - 1) / GROUP, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
-      const int64_t n = 4 * q;
-      if (n + 4 <= N) {
-        q4_rows<4>(xq, M, Wq, S, Mn, Y, K, N, n, comb.data());
-      } else {
-        for (int64_t j = n; j < N; ++j) q4_rows<1>(xq, M, Wq, S, Mn, Y, K, N, j, comb.data());
-      }
+      const int64_t b0 = q * GROUP, gw = std::min<int64_t>(GROUP, blocks - b0);
+      q4_group<GROUP>(xq, M, Wq + b0 * 16 * K / 2, S + b0 * 16 * G, Mn + b0 * 16 * G, gw, Y, K, N, b0 * 16);
     }
   });
 }
 
 std::vector<torch::Tensor> pack_q4(torch::Tensor q, torch::Tensor scale, torch::Tensor mn) {
-  // q int [N, K] in 0..15; scale, mn float [N, K/32] -> (packed uint8 [N, K/2], scale bf16, min bf16)
+  // q int [N, K] in 0..15; scale, mn float [N, K/32] -> (packed uint8 [blocks * 16, K/2], scale and min bf16
+  // [blocks * 16, K/32] in the layout above; columns past N zero)
   auto qi = q.to(torch::kUInt8).contiguous();
-  const int64_t N = qi.size(0), K = qi.size(1);
-  auto out = torch::empty({N, K / 2}, torch::TensorOptions().dtype(torch::kUInt8));
+  const int64_t N = qi.size(0), K = qi.size(1), G = K / 32, blocks = (N + 15) / 16;
+  auto out = torch::zeros({blocks * 16, K / 2}, torch::TensorOptions().dtype(torch::kUInt8));
+  auto s16 = torch::zeros({blocks * 16, G}, torch::TensorOptions().dtype(torch::kBFloat16));
+  auto m16 = torch::zeros({blocks * 16, G}, torch::TensorOptions().dtype(torch::kBFloat16));
+  auto sf = scale.to(torch::kFloat32).contiguous(), mf = mn.to(torch::kFloat32).contiguous();
   const uint8_t* src = qi.data_ptr<uint8_t>();
+  const float* sp = sf.data_ptr<float>();
+  const float* mp = mf.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t b = 0; b < K / 64; ++b)
-      for (int j = 0; j < 32; ++j)
-        dst[n * (K / 2) + b * 32 + j] = src[n * K + b * 64 + j] | (src[n * K + b * 64 + 32 + j] << 4);
-  return {out, scale.to(torch::kBFloat16).contiguous(), mn.to(torch::kBFloat16).contiguous()};
+  bf16* ds = PM(s16);
+  bf16* dm = PM(m16);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t blk = n / 16, b0 = blk / GROUP * GROUP, gw = std::min<int64_t>(GROUP, blocks - b0);
+    const int64_t col = (blk - b0) * 16 + n % 16;  // the column's place within its group
+    uint8_t* gq = dst + b0 * 16 * K / 2;
+    for (int64_t c = 0; c < K / 8; ++c)
+      for (int b = 0; b < 4; ++b)
+        gq[(c * gw * 16 + col) * 4 + b] = src[n * K + 8 * c + b] | (src[n * K + 8 * c + 4 + b] << 4);
+    for (int64_t g = 0; g < G; ++g) {
+      ds[b0 * 16 * G + g * gw * 16 + col] = to_bf16(sp[n * G + g]);
+      dm[b0 * 16 * G + g * gw * 16 + col] = to_bf16(mp[n * G + g]);
+    }
+  }
+  return {out, s16, m16};
 }
 
 torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor mn,
-                        c10::optional<torch::Tensor> bias) {
+                        c10::optional<torch::Tensor> bias, int64_t N) {
+  // packed, scale, mn: `pack_q4`'s of an [N, K] weight
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
-  const int64_t M = x2.size(0), K = x2.size(1), N = packed.size(0);
+  const int64_t M = x2.size(0), K = x2.size(1);
   XQ xq; quantize_x(P(x2), M, K, xq);
   std::vector<float> y32(M * N);
   matmul_q4(xq, M, packed.data_ptr<uint8_t>(), P(scale), P(mn), y32.data(), K, N);

@@ -193,10 +193,10 @@ class Int4Dense:
     q in 0..15). A checkpoint that was itself 4-bit with this grouping (SmolLM2's GGUF Q4_1) comes back nearly
     exactly.
 
-    CPU with AVX512-BF16: bfloat16 activations; one or two rows through `cpu_kernels.linear_q4`, more through ATen's
-    `_weight_int4pack_mm_for_cpu`. Measured there, SmolLM2-shaped layers with lm_head, one row, one thread: 11.6 ms,
-    against 17.3 ms for torch.ao's int8 and 31 ms for packed bfloat16 — a drafter reads a quarter of the bytes of
-    the target.
+    CPU with AVX512-BF16: bfloat16 activations, every row through `cpu_kernels.linear_q4` (ATen's
+    `_weight_int4pack_mm_for_cpu` where the kernels did not build). Measured on a Zen 4 EPYC, one thread: SmolLM2's
+    30 layers of matmuls in 4.4 ms at one row (weights from memory) where its bfloat16 ones take ~11; ATen's int4
+    kernel takes 2x ours at every row count from 1 to 256 (SmolLM2's lm_head and MLP shapes).
 
     CPU with AVX2 and FMA only (no native bf16): float32 activations (int8 per group of 32 inside the kernel), every
     row through `cpu_kernels_f32.linear_q4`, each row computed alike whatever rows come with it. Measured on an
@@ -221,13 +221,12 @@ class Int4Dense:
         if self.f32:
             self.kernels = self.f32_kernels()
         else:
-            # the kernel computes (q - 8)·scale + zero
-            zero = lo + 8 * scale
-            self.scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1) \
-                .contiguous().to(weight.dtype)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            # ATen's int4 kernel is compute-bound at one row on the AVX512 Xeon; from 4 rows on it is the faster one
-            self.kernels = cpu_kernels.load() if k % 64 == 0 else None
+            self.kernels = cpu_kernels.load()
+            if self.kernels is None:  # ATen's kernel computes (q - 8)·scale + zero
+                zero = lo + 8 * scale
+                self.scales_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1) \
+                    .contiguous().to(weight.dtype)
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         if self.kernels is not None:
             self.q4_packed, s, mn = self.kernels.pack_q4(q, scale.view(n, -1), lo.view(n, -1))
             self.q4_sz = torch.stack([s, mn])
@@ -251,10 +250,9 @@ class Int4Dense:
         return weight.shape[1] % cls.GROUP == 0 and (f32 or weight.shape[0] % 16 == 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.f32:
-            return self.kernels.linear_q4(x, self.q4_packed, self.q4_sz[0], self.q4_sz[1], self.bias, self.out_features)
-        if self.kernels is not None and x.numel() <= 2 * x.shape[-1]:
-            return self.kernels.linear_q4(x.contiguous(), self.q4_packed, self.q4_sz[0], self.q4_sz[1], self.bias)
+        if self.kernels is not None:
+            return self.kernels.linear_q4(x.contiguous(), self.q4_packed, self.q4_sz[0], self.q4_sz[1], self.bias,
+                                          self.out_features)
         assert self.packed is not None
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, self.GROUP,

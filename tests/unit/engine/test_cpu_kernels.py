@@ -117,12 +117,27 @@ def test_linear_q4_matches_its_dequantized_weights() -> None:
     dense = Int4Dense(w, None)
     assert dense.kernels is not None
     x = torch.randn(1, 128, generator=g).to(torch.bfloat16)
-    s, mn = dense.q4_sz.float()
-    grouped = w.view(96, 4, 32)
-    q = torch.round((grouped - grouped.amin(-1, keepdim=True)) / s.unsqueeze(-1)).clamp(0, 15)
-    ref = x.float() @ (q * s.unsqueeze(-1) + mn.unsqueeze(-1)).view(96, 128).t()
+    grouped = w.view(96, 4, 32)  # 6 blocks of 16 columns: a group of 4 and a narrower last group of 2
+    mn = grouped.amin(-1, keepdim=True).bfloat16().float()
+    s = ((grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)) / 15).clamp(min=1e-8)
+    q = torch.round((grouped - grouped.amin(-1, keepdim=True)) / s).clamp(0, 15)
+    ref = x.float() @ (q * s.bfloat16().float() + mn).view(96, 128).t()
     y = dense(x).float()
     assert float((y - ref).norm() / ref.norm()) < 0.03  # activations are int16 per group of 32
+
+
+@needs_kernels
+def test_linear_q4_rows_do_not_depend_on_the_batch() -> None:
+    # one row runs against a whole group of blocks a tile, more rows two at a time against two blocks: every row
+    # must come out as it does alone (drafting is batch-invariant); 208 columns: three groups of 4 blocks and one of 1
+    g = torch.Generator().manual_seed(3)
+    dense = Int4Dense(torch.randn(208, 128, generator=g), None)
+    x = torch.randn(7, 128, generator=g).to(torch.bfloat16)
+    k = cpu_kernels.load()
+    args = (dense.q4_packed, dense.q4_sz[0], dense.q4_sz[1], None, 208)
+    alone = torch.cat([k.linear_q4(x[i : i + 1], *args) for i in range(7)])
+    for rows in (2, 3, 5, 7):
+        assert torch.equal(k.linear_q4(x[:rows], *args), alone[:rows]), rows
 
 
 @needs_f32_kernels
