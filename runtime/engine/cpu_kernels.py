@@ -207,12 +207,15 @@ static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, in
 // signed high byte and an unsigned low byte, x16 = 256 h + l, so `vpdpbusd` (u8 x s8, four products a 32-bit lane)
 // does the products: sum_{k in g} q_k x16_k = 256 sum q_k h_k + sum q_k l_k, exact in int32, and
 // sum_k w_k x_k = sum_g scale_g xscale_g (that integer) + sum_g min_g sum_{k in g} x_k.
-// Layout (`pack_q4`): like the bf16 weights, blocks of 16 output columns in groups of GROUP blocks, a 32-bit lane per
-// column: [groups][K/8][GROUP][16] x 4 bytes, byte b of column n's lane for inputs 8c..8c+7 holding
-// q[8c + b] | q[8c + 4 + b] << 4, so one AND and one shift give the four-input byte vectors `vpdpbusd` takes, for
-// 16 columns at once; scales and mins bf16 [groups][K/32][GROUP][16]. Why this layout: the previous one (a row of
-// nibbles per output column, widened to 16-bit lanes for `vpdpwssd`, a horizontal sum per column) spent ~12 vector
-// ops per 64 products and read SmolLM2's drafter weights at ~9 GB/s, arithmetic-bound; this one spends ~5.
+// Layout (`pack_q4`, one uint8 tensor): like the bf16 weights, blocks of 16 output columns in groups of GROUP blocks,
+// a 32-bit lane per column; for each group and each group of 32 inputs g, one contiguous record: the codes of inputs
+// 32g .. 32g+31 as 4 chunks x gw blocks x 16 lanes x 4 bytes (byte b of a column's lane in chunk c holds
+// q[32g + 8c + b] | q[32g + 8c + 4 + b] << 4, so one AND and one shift give the four-input byte vectors `vpdpbusd`
+// takes, for 16 columns at once), then the gw x 16 scales and the gw x 16 mins in bf16: 320 bytes a block of 16
+// columns x 32 inputs. Why: the previous layout (a row of nibbles per output column, widened to 16-bit lanes for
+// `vpdpwssd`, a horizontal sum per column) spent ~12 vector ops per 64 products and was arithmetic-bound;
+// this one spends ~5, and with the scales and mins in the same stream a tile reads one sequential run (SmolLM2's 30
+// layers at one row: 1.37x the same kernel reading scales and mins from two arrays of their own, Zen 4 EPYC).
 // A drafter need not be exact (the rejection sampler uses its actual distribution), but every output is the same
 // sequence of operations whatever the rows computed with it (integer sums per group, then one fold per group in
 // order), so drafting is batch-invariant too.
@@ -251,20 +254,21 @@ static inline __m512 load_bf16x16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// MB activation rows x NB blocks of 16 columns (blocks j0.. of one group of gw blocks at Wq / S / Mn): per group of 32
+// MB activation rows x NB blocks of 16 columns (blocks j0.. of the group of gw blocks at Wq): per group of 32
 // inputs, two integer accumulators (high and low bytes) per row and block, folded into a float one.
 template <int MB, int NB>
-static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, const bf16* S, const bf16* Mn, int64_t gw, int64_t j0,
-                    float* Y, int64_t K, int64_t N, int64_t n0) {
+static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, int64_t gw, int64_t j0, float* Y, int64_t K,
+                    int64_t N, int64_t n0) {
   const int64_t G = K / 32;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* rec = Wq + g * gw * 320;  // this group of inputs' record
     __m512i il[MB][NB], ih[MB][NB];
     for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) il[m][j] = ih[m][j] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      const uint8_t* w = Wq + ((g * 4 + c) * gw + j0) * 64;
+      const uint8_t* w = rec + (c * gw + j0) * 64;
       __m512i wl[NB], wh[NB];
       for (int j = 0; j < NB; ++j) {
         const __m512i v = _mm512_loadu_si512(w + j * 64);
@@ -286,11 +290,13 @@ static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, const bf16* S, 
         }
       }
     }
+    const bf16* S = reinterpret_cast<const bf16*>(rec + gw * 256);
+    const bf16* Mn = S + gw * 16;
     for (int j = 0; j < NB; ++j) {
-      const __m512 s = load_bf16x16(S + (g * gw + j0 + j) * 16), mn = load_bf16x16(Mn + (g * gw + j0 + j) * 16);
+      const __m512 sc = load_bf16x16(S + (j0 + j) * 16), mn = load_bf16x16(Mn + (j0 + j) * 16);
       for (int m = 0; m < MB; ++m) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ih[m][j], 8), il[m][j]);
-        const __m512 sx = _mm512_mul_ps(s, _mm512_set1_ps(xq.scale[(m0 + m) * G + g]));
+        const __m512 sx = _mm512_mul_ps(sc, _mm512_set1_ps(xq.scale[(m0 + m) * G + g]));
         acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sx, acc[m][j]);
         acc[m][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xq.sum[(m0 + m) * G + g]), acc[m][j]);
       }
@@ -306,86 +312,84 @@ static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, const bf16* S, 
 }
 
 // One group of gw blocks (64 columns for a whole group) for all M rows: one row with the whole group a tile (its
-// weights one sequential stream), more rows two at a time against two blocks (registers: 2 x 2 x 3 accumulators).
-template <int NB>
-static void q4_group(const XQ& xq, int64_t M, const uint8_t* Wq, const bf16* S, const bf16* Mn, int64_t gw, float* Y,
-                     int64_t K, int64_t N, int64_t n0) {
+// records one sequential run), more rows two at a time against two blocks (registers: 2 x 2 x 3 accumulators).
+static void q4_group(const XQ& xq, int64_t M, const uint8_t* Wq, int64_t gw, float* Y, int64_t K, int64_t N,
+                     int64_t n0) {
   for (int64_t m0 = 0; m0 < M;) {
+    int64_t j = 0;
     if (M - m0 == 1) {
-      int64_t j = 0;
-      for (; j + NB <= gw; j += NB) q4_tile<1, NB>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
-      for (; j < gw; ++j) q4_tile<1, 1>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
+      for (; j + GROUP <= gw; j += GROUP) q4_tile<1, GROUP>(xq, m0, Wq, gw, j, Y, K, N, n0 + j * 16);
+      for (; j < gw; ++j) q4_tile<1, 1>(xq, m0, Wq, gw, j, Y, K, N, n0 + j * 16);
       m0 += 1;
     } else {
-      int64_t j = 0;
-      for (; j + 2 <= gw; j += 2) q4_tile<2, 2>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
-      for (; j < gw; ++j) q4_tile<2, 1>(xq, m0, Wq, S, Mn, gw, j, Y, K, N, n0 + j * 16);
+      for (; j + 2 <= gw; j += 2) q4_tile<2, 2>(xq, m0, Wq, gw, j, Y, K, N, n0 + j * 16);
+      for (; j < gw; ++j) q4_tile<2, 1>(xq, m0, Wq, gw, j, Y, K, N, n0 + j * 16);
       m0 += 2;
     }
   }
 }
 
-static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, const bf16* S, const bf16* Mn, float* Y,
-                      int64_t K, int64_t N) {
-  const int64_t blocks = (N + 15) / 16, G = K / 32;
+static inline int64_t q4_row_bytes(int64_t K) { return K / 2 + K / 8; }  // a column's codes, scales and mins
+
+static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, float* Y, int64_t K, int64_t N) {
+  const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, (blocks + GROUP - 1) / GROUP, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
       const int64_t b0 = q * GROUP, gw = std::min<int64_t>(GROUP, blocks - b0);
-      q4_group<GROUP>(xq, M, Wq + b0 * 16 * K / 2, S + b0 * 16 * G, Mn + b0 * 16 * G, gw, Y, K, N, b0 * 16);
+      q4_group(xq, M, Wq + b0 * 16 * q4_row_bytes(K), gw, Y, K, N, b0 * 16);
     }
   });
 }
 
 std::vector<torch::Tensor> pack_q4(torch::Tensor q, torch::Tensor scale, torch::Tensor mn) {
-  // q int [N, K] in 0..15; scale, mn float [N, K/32] -> (packed uint8 [blocks * 16, K/2], scale and min bf16
-  // [blocks * 16, K/32] in the layout above; columns past N zero)
+  // q int [N, K] in 0..15; scale, mn float [N, K/32] -> {uint8 [blocks * 16, K/2 + K/8]} in the layout above
+  // (columns past N zero): the tensors `linear_q4` takes after x, as the float32 module's `pack_q4` returns them
   auto qi = q.to(torch::kUInt8).contiguous();
-  const int64_t N = qi.size(0), K = qi.size(1), G = K / 32, blocks = (N + 15) / 16;
-  auto out = torch::zeros({blocks * 16, K / 2}, torch::TensorOptions().dtype(torch::kUInt8));
-  auto s16 = torch::zeros({blocks * 16, G}, torch::TensorOptions().dtype(torch::kBFloat16));
-  auto m16 = torch::zeros({blocks * 16, G}, torch::TensorOptions().dtype(torch::kBFloat16));
   auto sf = scale.to(torch::kFloat32).contiguous(), mf = mn.to(torch::kFloat32).contiguous();
+  const int64_t N = qi.size(0), K = qi.size(1), G = K / 32, blocks = (N + 15) / 16;
+  TORCH_CHECK(K % 32 == 0, "pack_q4: input features must be whole groups of 32");
+  auto out = torch::zeros({blocks * 16, q4_row_bytes(K)}, torch::TensorOptions().dtype(torch::kUInt8));
   const uint8_t* src = qi.data_ptr<uint8_t>();
   const float* sp = sf.data_ptr<float>();
   const float* mp = mf.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  bf16* ds = PM(s16);
-  bf16* dm = PM(m16);
   for (int64_t n = 0; n < N; ++n) {
     const int64_t blk = n / 16, b0 = blk / GROUP * GROUP, gw = std::min<int64_t>(GROUP, blocks - b0);
-    const int64_t col = (blk - b0) * 16 + n % 16;  // the column's place within its group
-    uint8_t* gq = dst + b0 * 16 * K / 2;
-    for (int64_t c = 0; c < K / 8; ++c)
-      for (int b = 0; b < 4; ++b)
-        gq[(c * gw * 16 + col) * 4 + b] = src[n * K + 8 * c + b] | (src[n * K + 8 * c + 4 + b] << 4);
+    const int64_t col = (blk - b0) * 16 + n % 16;  // the column's place within its group of blocks
     for (int64_t g = 0; g < G; ++g) {
-      ds[b0 * 16 * G + g * gw * 16 + col] = to_bf16(sp[n * G + g]);
-      dm[b0 * 16 * G + g * gw * 16 + col] = to_bf16(mp[n * G + g]);
+      uint8_t* rec = dst + b0 * 16 * q4_row_bytes(K) + g * gw * 320;
+      for (int c = 0; c < 4; ++c)
+        for (int b = 0; b < 4; ++b) {
+          const uint8_t* qk = src + n * K + 32 * g + 8 * c + b;
+          rec[(c * gw * 16 + col) * 4 + b] = qk[0] | (qk[4] << 4);
+        }
+      const bf16 sv = to_bf16(sp[n * G + g]), mv = to_bf16(mp[n * G + g]);
+      std::memcpy(rec + gw * 256 + col * 2, &sv, 2);
+      std::memcpy(rec + gw * 288 + col * 2, &mv, 2);
     }
   }
-  return {out, s16, m16};
+  return {out};
 }
 
-torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor mn,
-                        c10::optional<torch::Tensor> bias, int64_t N) {
-  // packed, scale, mn: `pack_q4`'s of an [N, K] weight
+torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t N) {
+  // packed: `pack_q4`'s of an [N, K] weight
   auto x2 = x.reshape({-1, x.size(-1)}).contiguous();
   const int64_t M = x2.size(0), K = x2.size(1);
   XQ xq; quantize_x(P(x2), M, K, xq);
   std::vector<float> y32(M * N);
-  matmul_q4(xq, M, packed.data_ptr<uint8_t>(), P(scale), P(mn), y32.data(), K, N);
+  matmul_q4(xq, M, packed.data_ptr<uint8_t>(), y32.data(), K, N);
+  if (bias)
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) y32[m * N + n] += from_bf16(P(*bias)[n]);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
-  bf16* Y = PM(y);
-  const bf16* b = bias ? P(*bias) : nullptr;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) Y[m * N + n] = to_bf16(y32[m * N + n] + (b ? from_bf16(b[n]) : 0.f));
+  to_bf16_n(y32.data(), PM(y), M * N);
   return y;
 }
 
-// One weight of the fused stack: a bf16 matrix packed by `pack_bf16`, or (with scales and mins) a
-// 4-bit matrix in this file's layout (the quantized_self drafter).
+// One weight of the fused stack: a bf16 matrix packed by `pack_bf16`, or a uint8 one packed by `pack_q4` (the
+// quantized_self drafter's 4-bit weights, scales and mins inside). `sz` is in the signature `decode_layers` shares with
+// the float32 module, whose 4-bit layout keeps scales and mins apart; here it must be empty.
 struct Weight {
   const torch::Tensor& w;
   const c10::optional<torch::Tensor>& sz;
@@ -394,12 +398,12 @@ struct Weight {
 
 // fp32 y [M, N] = x [M, K] W^T (+ bias), rounded through bf16 as the per-op path's matmul outputs are.
 static void apply(const Weight& W, bf16* x, float* y, int64_t M, int64_t K, int64_t N) {
-  if (!W.sz) {
+  TORCH_CHECK(!W.sz, "decode_layers: bf16 kernels take 4-bit weights as `pack_q4` packs them, without scales apart");
+  if (W.w.scalar_type() != torch::kUInt8) {
     matmul(x, P(W.w), W.bias ? P(*W.bias) : nullptr, y, M, K, N);
-  } else {  // 4-bit, this file's layout: sz = stack(scale, min) [2, N, K/32]
+  } else {
     XQ xq; quantize_x(x, M, K, xq);
-    auto s = (*W.sz)[0], mn = (*W.sz)[1];
-    matmul_q4(xq, M, W.w.data_ptr<uint8_t>(), P(s), P(mn), y, K, N);
+    matmul_q4(xq, M, W.w.data_ptr<uint8_t>(), y, K, N);
     if (W.bias)
       for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) y[m * N + n] += from_bf16(P(*W.bias)[n]);
   }

@@ -228,8 +228,10 @@ class Int4Dense:
                     .contiguous().to(weight.dtype)
                 self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         if self.kernels is not None:
-            self.q4_packed, s, mn = self.kernels.pack_q4(q, scale.view(n, -1), lo.view(n, -1))
-            self.q4_sz = torch.stack([s, mn])
+            # what the kernels' `linear_q4` takes after x: the bf16 module's codes with their scales and mins in one
+            # stream, the float32 module's codes, scales and mins apart (`q4_sz` in its `decode_layers`)
+            self.q4_packed: list[torch.Tensor] = list(self.kernels.pack_q4(q, scale.view(n, -1), lo.view(n, -1)))
+            self.q4_sz = torch.stack(self.q4_packed[1:]) if len(self.q4_packed) > 1 else None
 
     @staticmethod
     def f32_kernels() -> Any:
@@ -251,8 +253,7 @@ class Int4Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.linear_q4(x.contiguous(), self.q4_packed, self.q4_sz[0], self.q4_sz[1], self.bias,
-                                          self.out_features)
+            return self.kernels.linear_q4(x.contiguous(), *self.q4_packed, self.bias, self.out_features)
         assert self.packed is not None
         shape = x.shape
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), self.packed, self.GROUP,
@@ -457,7 +458,7 @@ class TransformerRunner:
         cols: list[list] = [[w.in_norm for w in self.layers], [w.post_norm for w in self.layers]]
         for name in ("qkv", "o", "gate_up", "down"):
             mods = [getattr(w, name) for w in self.layers]
-            cols += [[m.q4_packed if isinstance(m, Int4Dense) else m.kweight for m in mods],
+            cols += [[m.q4_packed[0] if isinstance(m, Int4Dense) else m.kweight for m in mods],
                      [m.q4_sz if isinstance(m, Int4Dense) else None for m in mods],
                      [m.bias for m in mods]]
         return tuple(cols)

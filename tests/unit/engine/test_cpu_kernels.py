@@ -134,7 +134,7 @@ def test_linear_q4_rows_do_not_depend_on_the_batch() -> None:
     dense = Int4Dense(torch.randn(208, 128, generator=g), None)
     x = torch.randn(7, 128, generator=g).to(torch.bfloat16)
     k = cpu_kernels.load()
-    args = (dense.q4_packed, dense.q4_sz[0], dense.q4_sz[1], None, 208)
+    args = (*dense.q4_packed, None, 208)
     alone = torch.cat([k.linear_q4(x[i : i + 1], *args) for i in range(7)])
     for rows in (2, 3, 5, 7):
         assert torch.equal(k.linear_q4(x[:rows], *args), alone[:rows]), rows
