@@ -155,6 +155,7 @@ def test_linear_q4_f32_matches_its_dequantized_weights(shape: tuple[int, int]) -
     grouped = w.view(n, k // 32, 32)
     lo = grouped.amin(-1, keepdim=True)
     q = torch.round((grouped - lo) / ((grouped.amax(-1, keepdim=True) - lo) / 15)).clamp(0, 15)
+    assert dense.q4_sz is not None  # the float32 module keeps scales and mins apart
     s, mn = (t.transpose(1, 2).reshape(-1, k // 32)[:n] for t in dense.q4_sz.float())  # [blocks, G, 8] -> [N, G]
     deq = (q * s.unsqueeze(-1) + mn.unsqueeze(-1)).view(n, k)
     x = torch.randn(7, k, generator=g)
