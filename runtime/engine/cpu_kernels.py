@@ -1,18 +1,19 @@
 """Decode kernels for CPUs with AVX512-BF16, compiled once per machine with the system C++ compiler.
 
-Why: at batch 1 a decode step is a chain of matrix-vector products over ~270 MB of bfloat16 weights (SmolLM2)
-plus ~15 small elementwise ops per layer. Measured here (one thread, weights streamed from memory): oneDNN's
-packed bf16 matmul reads weights at 9-12 GB/s for one row where a plain `sum` streams 14-16 GB/s, and ATen's
-per-op dispatch adds ~9 ms per step (30 layers x ~12 ops). `linear_bf16` multiplies a few rows by a weight
-packed once into `vdpbf16ps`'s pair layout (`pack_bf16`; fp32 accumulation in vector lanes, round-to-nearest-even
-output like oneDNN's), tiles of up to 6 rows x 64 columns in registers, so up to 6 rows read the weights once as
-one sequential stream: 90% of a streaming `sum` at one row on SmolLM2 (Zen 4 EPYC), and from ~4 rows on the chip's
-bf16 dot-product throughput bounds it (~36 GMAC/s a core on the Xeon measured here). `decode_layers` runs a whole stack of Llama layers for a few tokens of each of a
-few sequences in one call (norms, fused qkv, rotary, K/V cache write, GQA attention, SiLU MLP), rounding to bfloat16
-at the same points as the ATen path; its elementwise work (roundings, norms, rotary, SiLU, softmax) runs 16 lanes at
-a time with a vector exp (scalar `std::exp` and bf16 roundings cost ~20 µs per row and layer at 512 wide, 12-15% of a
-forward of the 27M benchmark model at every batch size). Every row is computed exactly as it would be alone, so
-plain decoding, the verification of drafts and any batch composition give bit-identical logits for a sequence.
+Why: at batch 1 a decode step is a chain of matrix-vector products over ~270 MB of bfloat16 weights (SmolLM2) plus
+~15 small elementwise ops per layer. Measured here (one thread, weights streamed from memory): oneDNN's packed bf16
+matmul reads weights at 9-12 GB/s for one row where a plain `sum` streams 14-16 GB/s, and ATen's per-op dispatch
+adds ~9 ms per step (30 layers x ~12 ops). `linear_bf16` multiplies a few rows by a weight packed once into
+`vdpbf16ps`'s pair layout (`pack_bf16`; fp32 accumulation in vector lanes, round-to-nearest-even output like
+oneDNN's), tiles of up to 6 rows x 64 columns in registers, so up to 6 rows read the weights once as one sequential
+stream: 90% of a streaming `sum` at one row on SmolLM2 (Zen 4 EPYC), and from ~4 rows on the chip's bf16 dot-product
+throughput bounds it (~36 GMAC/s a core on the Xeon measured here). `decode_layers` runs a whole stack of Llama
+layers for a few tokens of each of a few sequences in one call (norms, fused qkv, rotary, K/V cache write, GQA
+attention, SiLU MLP), rounding to bfloat16 at the same points as the ATen path; its elementwise work (roundings,
+norms, rotary, SiLU, softmax) runs 16 lanes at a time with a vector exp (scalar `std::exp` and bf16 roundings cost
+~20 µs per row and layer at 512 wide, 12-15% of a forward of the 27M benchmark model at every batch size). Every row
+is computed exactly as it would be alone, so plain decoding, the verification of drafts and any batch composition
+give bit-identical logits for a sequence.
 
 Built lazily on first use with `torch.utils.cpp_extension.load_inline` (about 30 s, cached under
 ~/.cache/specrl/kernels); where there is no compiler, no AVX512-BF16, or the build fails, `available()` is False
@@ -215,7 +216,7 @@ static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, in
 // columns x 32 inputs. Why: the previous layout (a row of nibbles per output column, widened to 16-bit lanes for
 // `vpdpwssd`, a horizontal sum per column) spent ~12 vector ops per 64 products and was arithmetic-bound;
 // this one spends ~5, and with the scales and mins in the same stream a tile reads one sequential run (SmolLM2's 30
-// layers at one row: 1.37x the same kernel reading scales and mins from two arrays of their own, Zen 4 EPYC).
+// layers at one row: 1.20-1.25x the same kernel reading scales and mins from two arrays of their own, Zen 4 EPYC).
 // A drafter need not be exact (the rejection sampler uses its actual distribution), but every output is the same
 // sequence of operations whatever the rows computed with it (integer sums per group, then one fold per group in
 // order), so drafting is batch-invariant too.

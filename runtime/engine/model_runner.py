@@ -242,7 +242,7 @@ class Int4Dense:
         if device.type != "cpu":
             return False
         if native_bf16():
-            return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            return cpu_kernels.available() or hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
         return cls.f32_kernels() is not None
 
     @classmethod
