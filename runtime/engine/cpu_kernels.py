@@ -251,10 +251,6 @@ static void quantize_x(const bf16* X, int64_t M, int64_t K, XQ& out) {
     }
 }
 
-static inline __m512 load_bf16x16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
 // MB activation rows x NB blocks of 16 columns (blocks j0.. of the group of gw blocks at Wq): per group of 32
 // inputs, two integer accumulators (high and low bytes) per row and block, folded into a float one.
 template <int MB, int NB>
@@ -294,7 +290,7 @@ static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, int64_t gw, int
     const bf16* S = reinterpret_cast<const bf16*>(rec + gw * 256);
     const bf16* Mn = S + gw * 16;
     for (int j = 0; j < NB; ++j) {
-      const __m512 sc = load_bf16x16(S + (j0 + j) * 16), mn = load_bf16x16(Mn + (j0 + j) * 16);
+      const __m512 sc = load16(S + (j0 + j) * 16), mn = load16(Mn + (j0 + j) * 16);
       for (int m = 0; m < MB; ++m) {
         const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(ih[m][j], 8), il[m][j]);
         const __m512 sx = _mm512_mul_ps(sc, _mm512_set1_ps(xq.scale[(m0 + m) * G + g]));
