@@ -820,13 +820,18 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
             n = size(b)
             prompts = base[:n]
             params = sampling(n, plan.max_new_tokens, models.eos_id, offset=10_000 + 100 * r)
-            for name, (m, g) in fixed.items():
+            # the order rotates from repeat to repeat: no option always runs right after the same one (a large
+            # drafter leaves the caches cold for whatever comes next) or always first in a minute of the machine
+            order = [*fixed, "adaptive"]
+            for name in order[r % len(order):] + order[:r % len(order)]:
                 progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} {name}")
-                runs[b][name].append(run_engine(engine, FixedController(m, g), prompts, params, max_batch=b))
-            progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} adaptive")
-            before = Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {}))
-            runs[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params, max_batch=b))
-            ran[b] += Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {})) - before
+                if name != "adaptive":
+                    m, g = fixed[name]
+                    runs[b][name].append(run_engine(engine, FixedController(m, g), prompts, params, max_batch=b))
+                    continue
+                before = Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {}))
+                runs[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params, max_batch=b))
+                ran[b] += Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {})) - before
         advance()
     for b in plan.sweep_batch_sizes:
         cpu = {n: [x.rates_at(b)[0] for x in v] for n, v in runs[b].items()}

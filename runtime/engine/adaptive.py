@@ -208,9 +208,11 @@ class AdaptiveController:
         if self.settings.toggle or not self.methods:
             out[None] = (1.0, AR)
         if self.costs is not None:
+            gammas = self.settings.gammas()
+            verify = self.costs.verify_ratios(batch, gammas)
             for m in self.methods:
                 if self.costs.knows(m):
-                    g, s = self.costs.best_gamma(m, batch, self.continuing(m, batch), self.settings.gammas())
+                    g, s = self.costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify)
                     out[m] = (s, Decision(m, g))
         self._tables[key] = (self.steps, out)
         return out
@@ -393,10 +395,17 @@ class AdaptiveController:
         c = self.costs
         if c is None:
             return None
+        t = c.target_step.get(b)
         if not record.method or record.gamma < 1:
-            return c.t_ar(b)
+            return t if t is not None else c.t_ar(b)
         if not c.knows(record.method):
             return None
+        # once a step has run this option at this batch size, its costs are entries of the tables (no
+        # interpolation): the common case, read directly (this runs twice a step)
+        draft = c.draft_round.get(record.method, {}).get(b, {}).get(record.gamma)
+        verify = c.verify_step.get(b, {}).get(record.gamma + 1)
+        if t is not None and draft is not None and verify is not None:
+            return draft + max(verify, t)
         return c.round_cost(record.method, record.gamma, b) * c.t_ar(b)
 
     def _learn(self, record: StepRecord, b: int) -> None:

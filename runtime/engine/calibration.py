@@ -38,12 +38,17 @@ class Calibration:
 def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[str] | None = None,
               batch_sizes: Sequence[int] = DEFAULT_CALIBRATION_BATCH_SIZES, gammas: Sequence[int] = (2, 6),
               steps: int = 10, rounds: int = 2, seed: int = 0, clock: str = "wall",
-              progress: Callable[[str], None] | None = None) -> Calibration:
+              progress: Callable[[str], None] | None = None,
+              verify_gammas: Sequence[int] | None = None) -> Calibration:
     """Measure the cost model on this machine by running the engine itself, pinned to one decision at a time.
 
     For every batch size b (prompts are cycled to fill it) the engine decodes with plain steps (-> t(b)) and with
     every proposer at every γ in `gammas` (-> the verify cost of γ+1 tokens from the target part of the step, and
-    the draft cost split into a per-token and a per-round part from two γ). Only steps at exactly batch b that ran
+    the draft cost split into a per-token and a per-round part from two γ). The verification is also timed at every
+    other γ in `verify_gammas` (default: 1 to the engine's longest draft), drafted by the cheapest proposer that
+    drafts full rounds: its cost is not linear in the tokens between two measured lengths (the CPU kernels take the
+    rows of a forward in chunks, so verifying 2 tokens at batch 4 cost as much as 3, where a line through 1 and 3
+    had it a third cheaper and the policy chose γ=1 at 0.95x what γ=2 ran). Only steps at exactly batch b that ran
     the decision unchanged count;
     rounds are interleaved so a burst of load spreads over every measurement. The engine's controller is
     restored afterwards; its stats keep the calibration steps (they are real decode steps).
@@ -57,12 +62,16 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
     methods = list(methods if methods is not None else getattr(engine, "proposers", {}))
     sizes = sorted({min(b, engine.max_batch_size) for b in batch_sizes})
     gammas = sorted(set(gammas))
+    if verify_gammas is None:
+        verify_gammas = range(1, int(getattr(engine, "max_gamma", gammas[-1])) + 1)
+    verify_only = sorted(set(verify_gammas) - set(gammas))
     saved = engine.controller
     start = time.perf_counter()
     ar: dict[int, list[float]] = {b: [] for b in sizes}
     verify: dict[int, dict[int, list[float]]] = {b: {} for b in sizes}
     draft: dict[tuple[str, int, int], list[float]] = {}
     alphas: dict[str, list[float]] = {m: [] for m in methods}
+    full: dict[tuple[str, int], bool] = {}  # (proposer, b): every measured round drafted γ tokens on every row
 
     def run(b: int, decision: Decision, new_tokens: int) -> list[StepRecord]:
         fixed = FixedController(decision.method, decision.gamma, clock=clock)
@@ -90,6 +99,15 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
                         verify[b].setdefault(g + 1, []).extend(r.target_seconds for r in recs)
                         draft.setdefault((m, b, g), []).extend(r.draft_seconds for r in recs)
                         alphas[m] += [a for r in recs if (a := round_alpha_from_record(r)) is not None]
+                        full[(m, b)] = full.get((m, b), True) and all(r.draft_tokens == b * g for r in recs)
+                drafters = [m for m in methods if full.get((m, b)) and draft.get((m, b, gammas[-1]))]
+                if drafters and verify_only:
+                    cheapest = min(drafters, key=lambda m: low_percentile(draft[(m, b, gammas[-1])]))
+                    for g in verify_only:
+                        if progress:
+                            progress(f"calibrate: batch {b} verify {g + 1} tokens")
+                        recs = run(b, Decision(cheapest, g), (g + 1) * max(2, steps // 3) + 2)
+                        verify[b].setdefault(g + 1, []).extend(r.target_seconds for r in recs)
     finally:
         engine.controller = saved
     draft_step: dict[str, dict[int, float]] = {}

@@ -127,20 +127,23 @@ def _interp_with(keys: Sequence[int], value: Callable[[int], float], x: float) -
 
 def linear_in_tokens(by_k: Mapping[int, float], tokens: int, ks: Sequence[int] | None = None) -> float:
     """by_k at `tokens`, linear between measured token counts (`ks`: sorted keys of by_k, if already known)."""
+    exact = by_k.get(tokens)
+    if exact is not None:
+        return exact
     ks = sorted(by_k) if ks is None else ks
-    if tokens in by_k:
-        return by_k[tokens]
     if len(ks) == 1:
         return by_k[ks[0]] * tokens / ks[0]
-    lo = max([k for k in ks if k <= tokens] or [ks[0]])
-    hi = min([k for k in ks if k >= tokens] or [ks[-1]])
-    if lo == hi:  # outside the measured range: extend the nearest segment, never downhill (a noisy pair of
-        # timings under load once extrapolated the verify cost of 7 tokens to 0, and the toggle then speculated
-        # at α≈0.2 and ran at 0.76x plain decoding)
-        lo, hi = (ks[-2], ks[-1]) if tokens > ks[-1] else (ks[0], ks[1])
-        slope = max(by_k[hi] - by_k[lo], 0.0) / (hi - lo)
-        return by_k[hi] + slope * (tokens - hi) if tokens > ks[-1] else by_k[lo] - slope * (lo - tokens)
-    return by_k[lo] + (by_k[hi] - by_k[lo]) / (hi - lo) * (tokens - lo)
+    i = bisect.bisect_left(ks, tokens)
+    if 0 < i < len(ks):
+        lo, hi = ks[i - 1], ks[i]
+        return by_k[lo] + (by_k[hi] - by_k[lo]) / (hi - lo) * (tokens - lo)
+    # outside the measured range: extend the nearest segment, never downhill (a noisy pair of timings under load
+    # once extrapolated the verify cost of 7 tokens to 0, and the toggle then speculated at α≈0.2 and ran at 0.76x
+    # plain decoding)
+    above = i > 0
+    lo, hi = (ks[-2], ks[-1]) if above else (ks[0], ks[1])
+    slope = max(by_k[hi] - by_k[lo], 0.0) / (hi - lo)
+    return by_k[hi] + slope * (tokens - hi) if above else by_k[lo] - slope * (lo - tokens)
 
 
 @dataclass
@@ -227,7 +230,8 @@ class CostModel:
             if points:
                 ks = sorted(points)
                 for g in gammas:
-                    out[g] += linear_in_tokens(points, g, ks) / t * w
+                    x = points.get(g)
+                    out[g] += (x if x is not None else linear_in_tokens(points, g, ks)) / t * w
             else:
                 c, a = per_token[b], per_round.get(b, 0.0)
                 for g in gammas:
@@ -241,11 +245,13 @@ class CostModel:
     def speedup(self, method: str, gamma: int, batch: int, acceptance: Acceptance) -> float:
         return round_lengths(acceptance, (gamma,))[gamma] / self.round_cost(method, gamma, batch)
 
-    def best_gamma(self, method: str, batch: int, acceptance: Acceptance, gammas: Iterable[int]
-                   ) -> tuple[int, float]:
-        """The γ in `gammas` with the highest predicted speedup (shorter on ties), and that speedup."""
+    def best_gamma(self, method: str, batch: int, acceptance: Acceptance, gammas: Iterable[int],
+                   verify: Mapping[int, float] | None = None) -> tuple[int, float]:
+        """The γ in `gammas` with the highest predicted speedup (shorter on ties), and that speedup. `verify`:
+        `verify_ratios(batch, gammas)` if already computed (it is the same for every proposer)."""
         gs = sorted(gammas)
-        v, d = self.verify_ratios(batch, gs), self.draft_ratios(method, batch, gs)
+        v = verify if verify is not None else self.verify_ratios(batch, gs)
+        d = self.draft_ratios(method, batch, gs)
         lengths = round_lengths(acceptance, gs)
         best = (-1.0, 0)
         for g in gs:

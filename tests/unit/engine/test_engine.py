@@ -542,6 +542,24 @@ def test_calibration_times_only_the_steps_that_ran_the_decision(target) -> None:
         assert cal.cost_model.round_cost("draft_model", 2, b) > cal.cost_model.v(b, 2)
 
 
+def test_calibration_times_the_verification_at_every_draft_length(target) -> None:
+    """The verify cost is measured at every γ the policy may choose, not interpolated between the two the draft
+    costs are fitted from: the CPU kernels take a forward's rows in chunks, so it is a staircase in the rows."""
+    from specrl.runtime.engine.calibration import calibrate
+
+    engine = RolloutEngine(target, SpeculativeConfig(method="draft_model", extra_methods=("ngram",),
+                                                     max_speculative_tokens=4),
+                           draft_model=target, max_batch_size=2)
+    cal = calibrate(engine, PROMPTS[:2], methods=["ngram", "draft_model"], batch_sizes=(1, 2), gammas=(2,),
+                    steps=3, rounds=1)
+    for b in (1, 2):
+        assert sorted(cal.cost_model.verify_step[b]) == [1, 2, 3, 4, 5]  # k = γ + 1 for γ = 1..4, and the plain step
+    assert set(cal.cost_model.draft_round["draft_model"][1]) == {2}  # the extra lengths time only the verification
+    skipped = calibrate(engine, PROMPTS[:2], methods=["draft_model"], batch_sizes=(1,), gammas=(2,), steps=3,
+                        rounds=1, verify_gammas=())
+    assert sorted(skipped.cost_model.verify_step[1]) == [1, 3]
+
+
 @pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_host_transfer_per_decode_step(method: str, temperature: float, target, draft,
