@@ -178,6 +178,11 @@ static void row_chunk(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64
   for (; j < j_hi; ++j) tile<MB, 1>(X, Wp, Y, m0, j, K, N);
 }
 
+static inline void add_bias(float* Y, const bf16* bias, int64_t M, int64_t N) {
+  if (bias)
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) Y[m * N + n] += from_bf16(bias[n]);
+}
+
 // fp32 Y[M, N] = X[M, K] W[N, K]^T (+ bias) with W packed by `pack_bf16`, K even. Columns go in spans of 8 blocks
 // (128 columns, two groups): all row chunks of 6 run over one span before the next, so with many rows a span's
 // weights are re-read from L2, not memory, and up to 6 rows read them once.
@@ -198,8 +203,7 @@ static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, in
       }
     }
   });
-  if (bias)
-    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) Y[m * N + n] += from_bf16(bias[n]);
+  add_bias(Y, bias, M, N);
 }
 
 // ---- 4-bit weights (the quantized_self drafter) ---------------------------------------------------------------
@@ -328,7 +332,8 @@ static void q4_group(const XQ& xq, int64_t M, const uint8_t* Wq, int64_t gw, flo
 
 static inline int64_t q4_row_bytes(int64_t K) { return K / 2 + K / 8; }  // a column's codes, scales and mins
 
-static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, float* Y, int64_t K, int64_t N) {
+static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, const bf16* bias, float* Y, int64_t K,
+                      int64_t N) {
   const int64_t blocks = (N + 15) / 16;
   at::parallel_for(0, (blocks + GROUP - 1) / GROUP, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
@@ -336,6 +341,7 @@ static void matmul_q4(const XQ& xq, int64_t M, const uint8_t* Wq, float* Y, int6
       q4_group(xq, M, Wq + b0 * 16 * q4_row_bytes(K), gw, Y, K, N, b0 * 16);
     }
   });
+  add_bias(Y, bias, M, N);
 }
 
 std::vector<torch::Tensor> pack_q4(torch::Tensor q, torch::Tensor scale, torch::Tensor mn) {
@@ -374,9 +380,7 @@ torch::Tensor linear_q4(torch::Tensor x, torch::Tensor packed, c10::optional<tor
   const int64_t M = x2.size(0), K = x2.size(1);
   XQ xq; quantize_x(P(x2), M, K, xq);
   std::vector<float> y32(M * N);
-  matmul_q4(xq, M, packed.data_ptr<uint8_t>(), y32.data(), K, N);
-  if (bias)
-    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) y32[m * N + n] += from_bf16(P(*bias)[n]);
+  matmul_q4(xq, M, packed.data_ptr<uint8_t>(), bias ? P(*bias) : nullptr, y32.data(), K, N);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = torch::empty(sizes, x.options());
@@ -400,9 +404,7 @@ static void apply(const Weight& W, bf16* x, float* y, int64_t M, int64_t K, int6
     matmul(x, P(W.w), W.bias ? P(*W.bias) : nullptr, y, M, K, N);
   } else {
     XQ xq; quantize_x(x, M, K, xq);
-    matmul_q4(xq, M, W.w.data_ptr<uint8_t>(), y, K, N);
-    if (W.bias)
-      for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) y[m * N + n] += from_bf16(P(*W.bias)[n]);
+    matmul_q4(xq, M, W.w.data_ptr<uint8_t>(), W.bias ? P(*W.bias) : nullptr, y, K, N);
   }
   round_f32(y, M * N);
 }
