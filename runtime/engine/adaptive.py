@@ -395,18 +395,12 @@ class AdaptiveController:
         c = self.costs
         if c is None:
             return None
-        t = c.target_step.get(b)
         if not record.method or record.gamma < 1:
+            t = c.target_step.get(b)
             return t if t is not None else c.t_ar(b)
         if not c.knows(record.method):
             return None
-        # once a step has run this option at this batch size, its costs are entries of the tables (no
-        # interpolation): the common case, read directly (this runs twice a step)
-        draft = c.draft_round.get(record.method, {}).get(b, {}).get(record.gamma)
-        verify = c.verify_step.get(b, {}).get(record.gamma + 1)
-        if t is not None and draft is not None and verify is not None:
-            return draft + max(verify, t)
-        return c.round_cost(record.method, record.gamma, b) * c.t_ar(b)
+        return c.round_seconds(record.method, record.gamma, b)
 
     def _learn(self, record: StepRecord, b: int) -> None:
         # what ran (the engine decodes plainly when every row ends within one token, and caps γ at the budget)

@@ -242,6 +242,16 @@ class CostModel:
         """Cost of one speculative round in plain steps: drafting γ tokens plus verifying γ+1."""
         return self.draft_ratios(method, batch, (gamma,))[gamma] + self.v(batch, gamma)
 
+    def round_seconds(self, method: str, gamma: int, batch: int) -> float:
+        """`round_cost` in seconds. Once a step has run this option at this batch size its costs are entries of the
+        tables, and the ratio to t(b) reduces to reading them (the policy asks twice a step)."""
+        t = self.target_step.get(batch)
+        draft = self.draft_round.get(method, {}).get(batch, {}).get(gamma)
+        verify = self.verify_step.get(batch, {}).get(gamma + 1)
+        if t is not None and draft is not None and verify is not None:
+            return max(draft, 0.0) + max(verify, t)
+        return self.round_cost(method, gamma, batch) * self.t_ar(batch)
+
     def speedup(self, method: str, gamma: int, batch: int, acceptance: Acceptance) -> float:
         return round_lengths(acceptance, (gamma,))[gamma] / self.round_cost(method, gamma, batch)
 

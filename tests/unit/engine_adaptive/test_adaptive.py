@@ -425,6 +425,19 @@ def test_cost_model_roundtrips_and_interpolates() -> None:
     assert model.v(1, 2) < model.v(1, 4) and model.v(1, 4) < model.v(16, 4)
 
 
+def test_round_seconds_reads_measured_entries_as_round_cost_computes_them() -> None:
+    # the policy's per-step surprise check reads a measured option's costs directly; it must equal the interpolating
+    # path wherever both apply, and fall back to it where an entry is missing (or a verify timed below a plain step)
+    model = CostModel(target_step={2: 2e-3, 8: 4e-3}, verify_step={2: {3: 3e-3, 5: 1.5e-3}, 8: {3: 9e-3}},
+                      draft_round={"draft_model": {2: {2: 4e-4, 4: 9e-4}, 8: {2: 5e-4}}})
+    for b, g in ((2, 2), (2, 4), (8, 2)):
+        assert model.round_seconds("draft_model", g, b) == pytest.approx(model.round_cost("draft_model", g, b)
+                                                                         * model.t_ar(b))
+    assert model.round_seconds("draft_model", 4, 2) == pytest.approx(9e-4 + 2e-3)  # verify clamped to t(b)
+    for b, g in ((4, 2), (2, 3), (8, 4)):  # interpolated: no entry at b, γ or γ+1
+        assert model.round_seconds("draft_model", g, b) == model.round_cost("draft_model", g, b) * model.t_ar(b)
+
+
 def test_cpu_clock_restamps_step_seconds() -> None:
     clock = StepClock("cpu")
     clock.start()
