@@ -41,6 +41,13 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   pay, and a probe burst at a full step batch (384 rows in tiny-local) verifies γ+1 tokens per row for ~1.3
   accepted, at the batch where a step costs most.
 
+**What a step costs the policy.** Inside the decode loop the weight streams keep the interpreter's code and data
+cold, and estimating and recomputing a table every step cost ~150 µs of Python (3% of a speculative step at batch 2).
+So the argmax is held while nothing can change it — the same batch size, its table not due for its refresh
+(`refresh` steps), no probe due, and no step costing `SURPRISE` times more or less than predicted — and a held step
+only keeps its record; the records are folded into the estimates, in order, on the next step that computes
+anything (a table is never computed from records not folded yet). ~60 µs a step on the benchmark's machine.
+
 Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
 their draft time is not recorded; their verify time and acceptance are. The engine prefills on admission only the
 drafters this policy names warm (`warm_proposers`: the one it will run at the batch the admission makes and, if
@@ -57,7 +64,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .control import Decision, StepClock, StepRecord
+from .control import Decision, StepClock, StepRecord, retimed
 from .cost_model import (
     Acceptance,
     CostModel,
@@ -78,6 +85,10 @@ AR = Decision(None, 0)
 MIN_TRIED = 32  # draft tokens of acceptance evidence before a proposer's α is trusted (probed until then)
 POSITION_PRIOR = 64.0  # tokens of evidence the previous position's acceptance counts for at the next
 STOP_PRIOR = 64.0  # emitted tokens without a stop the stop hazard starts from
+# A held choice whose step cost this factor more or less than predicted is re-examined at the next step. Single
+# steps are noisy (the estimates' own check compares low quantiles at 10%); this only has to catch a choice that
+# was mispriced by a lot, such as a drafter calibrated on short sequences.
+SURPRISE = 1.5
 
 
 def is_speculative(decision: Decision) -> bool:
@@ -90,6 +101,21 @@ def label(decision: Decision) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------
 # the policy
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """An argmax that stands until step `until` at batch size `batch` while its table is `table`."""
+
+    batch: int
+    until: int
+    decision: Decision
+    key: int
+    table: tuple[int, dict[str | None, tuple[float, Decision]]]
+    counts: Counter[str]
+    label: str
+    speculative: bool
+    seconds: float  # what a step of `decision` was predicted to cost
 
 
 @dataclass
@@ -175,20 +201,22 @@ class AdaptiveController:
         self.methods = names if s.strategy else names[:1]
         self.metrics = metrics
         priors = alpha_priors or {}
-        self.alpha = {m: float(priors.get(m, s.prior_alpha)) for m in self.methods}
+        self._alpha = {m: float(priors.get(m, s.prior_alpha)) for m in self.methods}
         # decayed (accepted, tried) draft tokens; a calibrated α counts as `MIN_TRIED` tokens of evidence
-        self._acceptance = {m: (MIN_TRIED * self.alpha[m], float(MIN_TRIED)) if m in priors else (0.0, 0.0)
+        self._acceptance = {m: (MIN_TRIED * self._alpha[m], float(MIN_TRIED)) if m in priors else (0.0, 0.0)
                             for m in self.methods}
         # per draft position, [accepted, tested] over `shape_memory` (empty until a record carries positions)
         self._positions: dict[str, list[list[float]]] = {m: [] for m in self.methods}
         self._stops: dict[int, tuple[float, float]] = {}  # per table key: decayed (stops, emitted tokens)
         self._probing: tuple[Decision, int] | None = None  # a probe burst in progress: (option, steps left)
-        self.costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
+        self._costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
         self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
         self._samples: dict[tuple, deque[float]] = {}
         self._tables: dict[int, tuple[int, dict[str | None, tuple[float, Decision]]]] = {}
+        self._held: _Held | None = None  # the last argmax, while it stands (`decide`'s fast path)
+        self._pending: list[tuple[StepRecord, float | None]] = []  # records not folded yet, with their CPU seconds
         self._last_run: dict[str | None, int] = {}  # option (None: plain) -> step it last ran
         self._last_method: str | None = None
         self._clock = StepClock(s.clock)
@@ -196,10 +224,24 @@ class AdaptiveController:
         self.steps = self.sd_steps = self.probes = 0
         self._counts: dict[int, Counter[str]] = {}
 
+    @property
+    def alpha(self) -> dict[str, float]:
+        """Per proposer, its acceptance rate per draft token (the estimate's level)."""
+        self._fold()
+        return self._alpha
+
+    @property
+    def costs(self) -> CostModel | None:
+        """The step costs as measured so far (the calibration's where nothing was measured yet)."""
+        self._fold()
+        return self._costs
+
     # -- the argmax ------------------------------------------------------------------------------------------
 
     def table(self, batch: int) -> dict[str | None, tuple[float, Decision]]:
         """Per option (None: plain decoding), its predicted speed relative to plain decoding and its best γ."""
+        if self._pending:
+            self._fold()
         key = self._table_key(batch)
         cached = self._tables.get(key)
         if cached is not None and self.steps - cached[0] < self.settings.refresh:
@@ -207,12 +249,12 @@ class AdaptiveController:
         out: dict[str | None, tuple[float, Decision]] = {}
         if self.settings.toggle or not self.methods:
             out[None] = (1.0, AR)
-        if self.costs is not None:
+        if self._costs is not None:
             gammas = self.settings.gammas()
-            verify = self.costs.verify_ratios(batch, gammas)
+            verify = self._costs.verify_ratios(batch, gammas)
             for m in self.methods:
-                if self.costs.knows(m):
-                    g, s = self.costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify)
+                if self._costs.knows(m):
+                    g, s = self._costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify)
                     out[m] = (s, Decision(m, g))
         self._tables[key] = (self.steps, out)
         return out
@@ -244,13 +286,13 @@ class AdaptiveController:
     def _probe(self, batch: int) -> Decision | None:
         """An option to measure this step instead of the argmax, or None."""
         s = self.settings
-        if self.costs is None:  # nothing measured yet: plain decoding first, it is the baseline of everything
+        if self._costs is None:  # nothing measured yet: plain decoding first, it is the baseline of everything
             return AR if s.toggle else Decision(self.methods[0], s.gamma)
         if batch > s.probe_max_batch:
             self._probing = None
             return None
         for m in self.methods:  # proposers without a draft cost or enough acceptance evidence come first
-            if not self.costs.knows(m) or self._acceptance[m][1] < MIN_TRIED:
+            if not self._costs.knows(m) or self._acceptance[m][1] < MIN_TRIED:
                 return Decision(m, s.gamma)
         if self._probing is not None:
             option, left = self._probing
@@ -276,15 +318,28 @@ class AdaptiveController:
         speed with an acceptance `probe_optimism` above its estimate (a probe of a hopeless option costs several
         slow steps: an n-gram probe at batch 16 ran at 0.4x plain); plain decoding, the baseline of every ratio,
         always could."""
-        if option is None or self.costs is None:
+        if option is None or self._costs is None:
             return True
         acceptance = self.continuing(option, batch, self.settings.probe_optimism)
-        optimistic = self.costs.best_gamma(option, batch, acceptance, self.settings.gammas())[1]
+        optimistic = self._costs.best_gamma(option, batch, acceptance, self.settings.gammas())[1]
         return optimistic > max(v[0] for v in options.values())
 
     def decide(self, active_batch_size: int) -> Decision:
         s = self.settings
         self.steps += 1
+        held = self._held
+        if held is not None and held.batch == active_batch_size and self.steps < held.until \
+                and self.current is held.decision and self._probing is None \
+                and self._tables.get(held.key) is held.table:
+            # The last argmax still stands: same batch size, same table, no probe due. Most steps of a rollout
+            # end here; the full path costs ~50 us of cold Python inside the decode loop, ~1% of a step at batch 2.
+            held.counts[held.label] += 1
+            self.sd_steps += held.speculative
+            self._report(held.decision)
+            self._clock.start()
+            return held.decision
+        if self._pending:
+            self._fold()
         probe = None
         if not self.methods or active_batch_size < 1:
             decision = AR
@@ -301,11 +356,31 @@ class AdaptiveController:
         if counts is None:  # not setdefault: it would build a Counter at every step
             counts = self._counts[active_batch_size] = Counter()
         counts[label(decision)] += 1
+        self._held = self._hold(active_batch_size, decision, counts) if probe is None and s.adaptive else None
+        self._report(decision)
+        self._clock.start()
+        return decision
+
+    def _hold(self, batch: int, decision: Decision, counts: Counter[str]) -> _Held | None:
+        """Until which step `decision` stands at this batch size: the next refresh of its table or the next step
+        a probe may start, whichever comes first."""
+        key = self._table_key(batch)
+        table = self._tables.get(key)
+        if table is None or self._costs is None or self.steps <= 0:
+            return None
+        until = table[0] + self.settings.refresh
+        if batch <= self.settings.probe_max_batch and self.settings.probe > 0:
+            period = max(round(self.settings.probe_run / self.settings.probe), 1)
+            until = min(until, (self.steps // period + 1) * period)
+        method = decision.method
+        predicted = self._costs.round_seconds(method, decision.gamma, batch) \
+            if method is not None and decision.gamma > 0 and self._costs.knows(method) else self._costs.t_ar(batch)
+        return _Held(batch, until, decision, key, table, counts, label(decision), is_speculative(decision), predicted)
+
+    def _report(self, decision: Decision) -> None:
         if self.metrics is not None:
             self.metrics.spec_decode_enabled.set(1 if is_speculative(decision) else 0)
             self.metrics.spec_decode_draft_length.set(decision.gamma if is_speculative(decision) else 0)
-        self._clock.start()
-        return decision
 
     def warm_proposers(self, active_batch_size: int) -> list[str]:
         """The proposers the engine prefills on admission into a batch of `active_batch_size` sequences: the one
@@ -317,13 +392,13 @@ class AdaptiveController:
         quantized_self still kept a cache of its own)."""
         if not self.settings.adaptive:
             return self.methods[:1]
-        if self.costs is None:
+        if self._costs is None:
             return list(self.methods)
         running = self.choose(active_batch_size).method
         tail = self.table(1)
         best = tail[max(tail, key=lambda k: tail[k][0])][1].method if tail else None
         if best is not None and best != running:
-            one, two = self.costs.draft_ratios(best, 1, (1, 2)).values()
+            one, two = self._costs.draft_ratios(best, 1, (1, 2)).values()
             if two - one > self.settings.warm_max_draft_cost:
                 best = None
         return list(dict.fromkeys(m for m in (running, best) if m))
@@ -333,8 +408,10 @@ class AdaptiveController:
     def acceptance(self, method: str, optimism: float = 0.0) -> Acceptance:
         """Proposer `method`'s acceptance per draft position (its α alone before any record carried positions),
         each raised by `optimism`: what the cost model's expected tokens per round read."""
+        if self._pending:
+            self._fold()
         positions = self._positions[method]
-        alpha = self.alpha[method]
+        alpha = self._alpha[method]
         tested = sum(t for _, t in positions)
         if tested <= 0 or alpha <= 0:
             return min(alpha + optimism, 1.0)
@@ -350,6 +427,8 @@ class AdaptiveController:
 
     def stop_hazard(self, batch: int) -> float:
         """The chance that a token emitted at this batch size ends its sequence."""
+        if self._pending:
+            self._fold()
         stops, tokens = self._stops.get(self._table_key(batch), (0.0, 0.0))
         return stops / (tokens + STOP_PRIOR)
 
@@ -373,7 +452,26 @@ class AdaptiveController:
         return low_percentile(window, 0.25)
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
-        record = self._clock.restamp(record)
+        # Only kept here: the records reach the estimates on the next step that computes anything (`_fold`), so
+        # the steps that keep the last argmax run no estimation in the decode loop, where its cold Python cost
+        # ~100 us a step (2% of a speculative step at batch 2). A table is never computed from unfolded records.
+        seconds = self._clock.elapsed()
+        self._pending.append((record, seconds))
+        held = self._held
+        if held is not None and held.seconds > 0:
+            # a step far from what its choice was predicted to cost ends the hold: the next step folds, and the
+            # estimates' own check (`_learn_step`) decides whether the table is recomputed
+            off = (record.seconds if seconds is None else seconds) / held.seconds
+            if not 1 / SURPRISE < off < SURPRISE:
+                self._held = None
+
+    def _fold(self) -> None:
+        """Bring the kept records into the estimates, in the order the steps ran."""
+        pending, self._pending = self._pending, []
+        for record, seconds in pending:
+            self._learn_step(retimed(record, seconds))
+
+    def _learn_step(self, record: StepRecord) -> None:
         b = record.batch_size
         if b < 1 or record.seconds <= 0:
             return
@@ -392,7 +490,7 @@ class AdaptiveController:
 
     def _predicted_seconds(self, record: StepRecord, b: int) -> float | None:
         """The current estimate of the step that `record` ran: t(b), or d_m(b, γ) + t_v(b, γ+1)."""
-        c = self.costs
+        c = self._costs
         if c is None:
             return None
         if not record.method or record.gamma < 1:
@@ -409,11 +507,11 @@ class AdaptiveController:
         switched, self._last_method = method != self._last_method, method
         self._last_run[method] = self.steps
         if method is None:
-            old = self.costs.target_step.get(b) if self.costs is not None else None
+            old = self._costs.target_step.get(b) if self._costs is not None else None
             t = self._sample(("ar", b), record.seconds, old)
-            if self.costs is None:
-                self.costs = CostModel(target_step={b: t}, verify_step={})
-            self.costs.target_step[b] = t
+            if self._costs is None:
+                self._costs = CostModel(target_step={b: t}, verify_step={})
+            self._costs.target_step[b] = t
             self._follow(b)
             return
         if record.tried_tokens > 0:  # α = accepted / tried over a decaying window of tokens (the MLE)
@@ -421,7 +519,7 @@ class AdaptiveController:
             acc, tried = self._acceptance[method]
             acc, tried = keep * acc + record.accepted_tokens, keep * tried + record.tried_tokens
             self._acceptance[method] = (acc, tried)
-            self.alpha[method] = min(max(acc / tried, 0.0), 1.0)
+            self._alpha[method] = min(max(acc / tried, 0.0), 1.0)
             positions = self._positions[method]
             positions.extend([0.0, 0.0] for _ in range(len(record.tested_at) - len(positions)))
             keep = math.exp(-record.tried_tokens / self.settings.shape_memory)
@@ -433,8 +531,8 @@ class AdaptiveController:
                     cell[1] += record.tested_at[j]
         elif (alpha := round_alpha_from_record(record)) is not None:
             weight = 1 - math.exp(-record.draft_tokens / self.settings.alpha_memory)
-            self.alpha[method] += weight * (alpha - self.alpha[method])
-        c = self.costs
+            self._alpha[method] += weight * (alpha - self._alpha[method])
+        c = self._costs
         if c is None:
             return
         k = decision.gamma + 1
@@ -465,16 +563,16 @@ class AdaptiveController:
         (Multiplying in every change of a measured estimate instead made a random walk of the unmeasured ones:
         replaying noisy steps at two lengths and plain steps, the unmeasured 3-token verify drifted to 2.1x the
         plain step, where the calibration had it at 1.1x.)"""
-        if self._calibrated is None or self.costs is None:
+        if self._calibrated is None or self._costs is None:
             return
         cal = self._calibrated.verify_step.get(b)
         if not cal:
             return
-        verify = self.costs.verify_step.setdefault(b, {})
+        verify = self._costs.verify_step.setdefault(b, {})
         now = dict(verify)
         measured = {k for k in now if ("verify", b, k) in self._samples}
-        if ("ar", b) in self._samples and b in self.costs.target_step:
-            now[1] = self.costs.target_step[b]
+        if ("ar", b) in self._samples and b in self._costs.target_step:
+            now[1] = self._costs.target_step[b]
             measured.add(1)
         points = {**cal, 1: self._calibrated.target_step.get(b) or self._calibrated.t_ar(b)}
         verify.update(rescale_unmeasured(now, cal, measured, lambda k: linear_in_tokens(points, k)))
@@ -482,6 +580,8 @@ class AdaptiveController:
     # -- visibility ------------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        if self._pending:
+            self._fold()
         return {
             "adaptive": True,
             "current_method": self.current.method,
@@ -491,7 +591,7 @@ class AdaptiveController:
             "steps": self.steps,
             "probe_steps": self.probes,
             "decisions_by_batch_size": {b: dict(c) for b, c in sorted(self._counts.items())},
-            "alpha": {m: round(a, 4) for m, a in self.alpha.items()},
+            "alpha": {m: round(a, 4) for m, a in self._alpha.items()},
             "stop_hazard_by_batch_size": {b: round(self.stop_hazard(b), 4) for b in sorted(self._stops)},
             "acceptance_by_position": {m: [round(p, 3) for p in a] for m in self.methods
                                        if not isinstance(a := self.acceptance(m), float)},

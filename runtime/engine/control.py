@@ -74,18 +74,30 @@ class StepClock:
         if self.clock == "cpu":
             self._t0 = time.process_time()
 
-    def restamp(self, record: StepRecord) -> StepRecord:
+    def elapsed(self) -> float | None:
+        """The CPU seconds since `start` on the "cpu" clock; None on the wall clock (the record's timing stands)."""
         if self.clock != "cpu" or self._t0 is None:
-            return record
+            return None
         seconds = max(time.process_time() - self._t0, 1e-9)
         self._t0 = None
-        share = record.draft_seconds / record.seconds if record.seconds > 0 else 0.0
-        # A copy with three fields changed, without `dataclasses.replace`: that re-runs the frozen __init__ (a
-        # setattr per field), 30 us a step inside a decode loop whose kernels keep the interpreter's data cold.
-        out = object.__new__(StepRecord)
-        out.__dict__.update(record.__dict__, seconds=seconds, draft_seconds=seconds * share,
-                            target_seconds=seconds * (1 - share))
-        return out
+        return seconds
+
+    def restamp(self, record: StepRecord) -> StepRecord:
+        return retimed(record, self.elapsed())
+
+
+def retimed(record: StepRecord, seconds: float | None) -> StepRecord:
+    """`record` with its seconds replaced by `seconds` (None: unchanged), split between drafting and verifying as
+    the engine's own timing split them."""
+    if seconds is None:
+        return record
+    share = record.draft_seconds / record.seconds if record.seconds > 0 else 0.0
+    # A copy with three fields changed, without `dataclasses.replace`: that re-runs the frozen __init__ (a setattr
+    # per field), 30 us a step inside a decode loop whose kernels keep the interpreter's data cold.
+    out = object.__new__(StepRecord)
+    out.__dict__.update(record.__dict__, seconds=seconds, draft_seconds=seconds * share,
+                        target_seconds=seconds * (1 - share))
+    return out
 
 
 class FixedController:

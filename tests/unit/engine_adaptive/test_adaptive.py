@@ -517,6 +517,31 @@ def test_a_choice_that_runs_slower_than_predicted_is_left_within_a_few_steps() -
     assert ran.count("quantized_self") <= 4 and ran[-1] == "draft_model", ran
 
 
+def test_a_held_choice_defers_its_records_and_loses_none() -> None:
+    # Between two computations of the argmax the steps only keep their records (the estimation runs on the next
+    # step that computes anything): two controllers fed the same steps, one made to fold after every step by reading
+    # its estimates, must end with the same estimates and have made the same choices.
+    machine = Machine({"draft_model": 0.8, "ngram": 0.5}, {"draft_model": 0.08, "ngram": 0.0}, seed=11)
+    methods = ["draft_model", "ngram"]
+    lazy, eager = (AdaptiveController(methods, cost_model=calibrated(machine, methods),
+                                      alpha_priors={"draft_model": 0.8, "ngram": 0.5},
+                                      settings=AdaptiveSettings(probe=0.0)) for _ in range(2))
+    for i in range(300):
+        b = 4 if i < 150 else 1
+        d = lazy.decide(b)
+        assert eager.decide(b) == d
+        rec = machine.step(d, b)
+        lazy.observe(d, rec)
+        eager.observe(d, rec)
+        assert eager.alpha is not None  # reading an estimate folds what is pending
+        if i == 5:
+            assert lazy._pending, "observe folded its record at once"
+    assert lazy.alpha == eager.alpha
+    assert lazy.costs is not None and eager.costs is not None
+    assert lazy.costs.to_dict() == eager.costs.to_dict()
+    assert lazy.stats() == eager.stats()
+
+
 def test_stop_hazard_shortens_drafts_of_a_drafter_that_agrees_past_the_end() -> None:
     # A drafter accepted 99% of the time, cheap to run: with sequences that never end it drafts the longest γ;
     # when one emitted token in five ends its sequence, drafts past that point are waste and a short γ wins.
