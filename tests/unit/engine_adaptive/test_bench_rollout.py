@@ -116,6 +116,28 @@ def test_common_mix_compares_rates_not_tails() -> None:
     assert out["buckets"] == [[1, 1], [16, 16]] and out["reference_tokens"] == [10, 1000]
 
 
+def test_held_out_best_removes_the_winners_curse() -> None:
+    # Two fixed configurations with the same true rate and the adaptive runs a copy of one of them: ranked on the
+    # same runs the best reads above the true rate and the ratio reads low; ranked on the other repeats it does not.
+    import random
+    import statistics
+
+    from specrl.runtime.bench.rollout import held_out_best
+
+    rng = random.Random(3)
+    raw, held = [], []
+    for _ in range(400):
+        rates = {name: [1000 * (1 + rng.gauss(0, 0.06)) for _ in range(4)] for name in ("a", "b", "adaptive")}
+        raw.append(statistics.median(rates["adaptive"]) / max(statistics.median(rates[f]) for f in ("a", "b")))
+        held.append(held_out_best(rates, ["a", "b"])["adaptive_vs_held_out_best"])
+    assert statistics.mean(raw) < 0.985 and abs(statistics.mean(held) - 1) < 0.005
+    # the pick for a repeat comes from the others only
+    out = held_out_best({"a": [1.0, 9.0, 9.0], "b": [5.0, 1.0, 1.0], "adaptive": [2.0, 3.0, 3.0]}, ["a", "b"])
+    assert [p for p, _ in out["held_out_best_per_repeat"]] == ["a", "a", "a"]
+    assert out["adaptive_vs_held_out_best"] == pytest.approx(1 / 3)
+    assert held_out_best({"a": [1.0], "adaptive": [1.0]}, ["a"])["adaptive_vs_held_out_best"] is None
+
+
 def test_rollout_steps_admit_prompts_together_and_shrink() -> None:
     # As a synchronous rollout: each step's prompts start together and the next step waits for its longest
     # response, so the batch only shrinks within a step; the serving shape refills freed slots from the queue.
