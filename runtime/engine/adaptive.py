@@ -42,11 +42,12 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   accepted, at the batch where a step costs most.
 
 **What a step costs the policy.** Inside the decode loop the weight streams keep the interpreter's code and data
-cold, and estimating and recomputing a table every step cost ~150 µs of Python (3% of a speculative step at batch 2).
+cold: estimating at every step cost 130–165 µs of Python a step (3% of a speculative step at batch 2).
 So the argmax is held while nothing can change it — the same batch size, its table not due for its refresh
 (`refresh` steps), no probe due, and no step costing `SURPRISE` times more or less than predicted — and a held step
 only keeps its record; the records are folded into the estimates, in order, on the next step that computes
-anything (a table is never computed from records not folded yet). ~60 µs a step on the benchmark's machine.
+anything (a table is never computed from records not folded yet): 61–76 µs a step at batch 1 to 16 on the
+benchmark's machine (AMD EPYC Zen 4, the bench models, timed inside the decode loop).
 
 Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
 their draft time is not recorded; their verify time and acceptance are. The engine prefills on admission only the
@@ -332,7 +333,7 @@ class AdaptiveController:
                 and self.current is held.decision and self._probing is None \
                 and self._tables.get(held.key) is held.table:
             # The last argmax still stands: same batch size, same table, no probe due. Most steps of a rollout
-            # end here; the full path costs ~50 us of cold Python inside the decode loop, ~1% of a step at batch 2.
+            # end here (see "What a step costs the policy" in the module docstring).
             held.counts[held.label] += 1
             self.sd_steps += held.speculative
             self._report(held.decision)
@@ -453,8 +454,8 @@ class AdaptiveController:
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
         # Only kept here: the records reach the estimates on the next step that computes anything (`_fold`), so
-        # the steps that keep the last argmax run no estimation in the decode loop, where its cold Python cost
-        # ~100 us a step (2% of a speculative step at batch 2). A table is never computed from unfolded records.
+        # the steps that keep the last argmax run no estimation in the decode loop. A table is never computed from
+        # records not folded yet.
         seconds = self._clock.elapsed()
         self._pending.append((record, seconds))
         held = self._held
