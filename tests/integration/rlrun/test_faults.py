@@ -249,7 +249,9 @@ def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, 
     lines = [json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in SyntheticTask(64, None, 5)]
     lines.insert(3, "{not json")  # skipped with a counted warning
     data.write_text("\n".join(lines) + "\n")
-    s = micro_settings(steps=16, prompts_per_step=8, group_size=4, lr=2e-2, rollouts=2, mode="async",
+    # 20 steps: at this learning rate the reward dips around steps 5-7 before it climbs (to 0.25-0.41 in passing runs),
+    # and in one CI run on a loaded machine 16 steps were not enough to climb back (last three 0.50)
+    s = micro_settings(steps=20, prompts_per_step=8, group_size=4, lr=2e-2, rollouts=2, mode="async",
                        max_staleness=1, reward="rewards_for_tests:starts_with_digit", drafter_training=False,
                        dataset=str(data), eval_size=4)
     coord = JobCoordinator(s)
@@ -265,7 +267,7 @@ def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, 
         assert last >= first + 0.2, rewards
         assert _counter(coord, "specrl_dataset_malformed_lines_total") == 1
         rep = coord.ledger_report()
-        assert rep["lost"] == 0 and rep["trained"] == rep["issued"] == 16 * s.prompts_per_step
+        assert rep["lost"] == 0 and rep["trained"] == rep["issued"] == s.steps * s.prompts_per_step
     finally:
         coord.shutdown()
 
