@@ -869,14 +869,13 @@ def held_out_best(rates: Mapping[str, Sequence[float]], fixed: Sequence[str]) ->
     n = len(rates["adaptive"])
     if n < 2 or any(len(rates[f]) != n for f in fixed):
         return {"adaptive_vs_held_out_best": None, "held_out_best_per_repeat": []}
-    ratios, picks = [], []
+    per_repeat: list[list[Any]] = []  # [the configuration picked for repeat r, the adaptive run's ratio to it]
     for r in range(n):
         pick = max(fixed, key=lambda f: statistics.median(x for i, x in enumerate(rates[f]) if i != r))
-        picks.append(pick)
         if rates[pick][r]:
-            ratios.append(rates["adaptive"][r] / rates[pick][r])
-    return {"adaptive_vs_held_out_best": med(ratios),
-            "held_out_best_per_repeat": [[p, round(x, 3)] for p, x in zip(picks, ratios)]}
+            per_repeat.append([pick, rates["adaptive"][r] / rates[pick][r]])
+    return {"adaptive_vs_held_out_best": med([x for _, x in per_repeat]),
+            "held_out_best_per_repeat": [[p, round(x, 3)] for p, x in per_repeat]}
 
 
 def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
