@@ -17,9 +17,10 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   their own guesses, such as EAGLE's and MTP's, lose acceptance with depth) the geometric law drafts too long; the
   benchmark's draft model is flat (0.85–0.91 at positions 1–8), and there the two laws agree. The level moves fast
   and the shape slowly: per-position ratios over the level's short window were noisy enough to flap between two
-  proposers within 2% of each other. A step that cost 10% more or less than predicted recomputes its batch size's
-  table at once: the calibration decodes short sequences, and a drafter whose cost grows with the context looks
-  cheaper there than it is in the tail;
+  proposers within 2% of each other. A step whose estimate moves by 10% when it is folded recomputes its batch
+  size's table (a held step 1.5x off its prediction is folded at the next step, see below): the calibration
+  decodes short sequences, and a drafter whose cost grows with the context looks cheaper there than it is in the
+  tail;
 * **stop hazard**: a round also ends where its sequence does. The chance h(b) that an emitted token is a stop
   token (stops per emitted token at this batch size, over `stop_memory` tokens, `STOP_PRIOR` tokens of no-stop
   prior) scales every p_j by 1 − h(b), and α_m counts only drafts inside the text. Why: a drafter that is a copy of
@@ -484,8 +485,8 @@ class AdaptiveController:
         before = self._predicted_seconds(record, b)
         self._learn(record, b)
         after = self._predicted_seconds(record, b)
-        # the table of this batch size is recomputed at once when what just ran costs 10% more or less than it
-        # was predicted to (else a wrong choice would run until the next refresh)
+        # the table of this batch size is recomputed on the next decision when folding what ran moved its estimate
+        # by 10% (else a wrong choice would run until the next refresh)
         if before and after and abs(after / before - 1) > 0.1:
             self._tables.pop(self._table_key(b), None)
 
