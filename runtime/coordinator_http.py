@@ -13,11 +13,12 @@ import asyncio
 import hmac
 import json
 import logging
-import socket
 import threading
 from typing import Protocol
 
 from aiohttp import web
+
+from .ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,6 @@ class CoordinatorView(Protocol):
         ...
 
     def metrics(self) -> tuple[bytes, str]: ...
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def build_app(view: CoordinatorView, token: str | None) -> web.Application:

@@ -163,7 +163,7 @@ def run_job(settings: RunSettings, out_dir: Path, *, progress: bool = True, meas
     import ray
 
     from .coordinator import JobCoordinator
-    from .coordinator_http import free_port
+    from .ports import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..ports import free_port
+
 if TYPE_CHECKING:
     import torch
 
@@ -81,12 +83,6 @@ def build_state(w: Workload, seed: int = 0) -> dict[str, torch.Tensor]:
     dtype = getattr(torch, w.dtype)
     return {name: torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=gen).to(dtype)
             for name, shape in llama_shapes(w).items()}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 Config = tuple[str, int]  # (sender mode, bucket MiB); mode "packed" = separate tensors, "zero-copy" = flattened
@@ -243,7 +239,7 @@ def run(quick: bool = False, repeats: int | None = None, configs: list[Config] |
             configs += [("packed", 64), ("packed", 16)]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    store_port, sock_port = _free_port(), _free_port()
+    store_port, sock_port = free_port(), free_port()
     procs = [ctx.Process(target=_worker, args=(r, store_port, sock_port, w, configs, repeats, out), daemon=True)
              for r in range(2)]
     for p in procs:

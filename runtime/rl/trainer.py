@@ -452,7 +452,7 @@ class TrainerWorker:
         """An address and a free port on this trainer's host: rendezvous for groups it hosts."""
         import ray
 
-        from ..coordinator_http import free_port
+        from ..ports import free_port
 
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         return ip, free_port("0.0.0.0" if ip != "127.0.0.1" else ip)

@@ -40,7 +40,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import threading
 import urllib.error
@@ -49,6 +48,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from specrl.runtime.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,6 @@ class PodRunner:
         self.failed_to_start: dict[tuple[str, str, str], str] = {}
         self._service_ports: dict[tuple[str, str, int], int] = {}
         self._pod_ports: dict[tuple[str, str, int], int] = {}
-        self._taken: set[int] = set()
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -185,13 +185,7 @@ class PodRunner:
 
     # ------------------------------------------------------------------ ports and names
     def _free_port(self) -> int:
-        while True:
-            with socket.socket() as s:
-                s.bind((HOST, 0))
-                port = int(s.getsockname()[1])
-            if port not in self._taken:
-                self._taken.add(port)
-                return port
+        return free_port(HOST)
 
     def service_port(self, namespace: str, service: str, target_port: int) -> int:
         """The host port that stands for `service`'s `target_port` (stable; allocated on first use)."""

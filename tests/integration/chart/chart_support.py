@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from specrl.runtime.ports import free_port
 from typing_extensions import Self
 
 REPO = Path(__file__).resolve().parents[3]
@@ -250,12 +250,6 @@ def substitute(expr: str, variables: Mapping[str, str], rate_interval: str = "30
 
 
 # ---- Prometheus --------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 # What Kubernetes service discovery attaches to a pod target (besides `job` and `instance`).
 TARGET_LABELS = {"namespace": "specrl-system", "pod": "scraped-pod"}

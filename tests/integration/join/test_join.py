@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 
 import pytest
 import yaml
+from specrl.runtime.ports import free_port
 
 from tests.kube.kubectl import Kubectl, kube_env
 from tests.kube.pod_runner import PodRunner, RunningPod
@@ -57,12 +57,6 @@ CHECKPOINT_EVERY = 20
 TIMEOUT_S = 240.0  # a bound per stage; the job's own end (complete or failed) ends every wait sooner
 BIN = Path(sys.executable).parent
 HF_TOKEN = "hf_join_test_secret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _job(policy: Path, draft: Path, checkpoints: Path) -> dict[str, Any]:
@@ -216,9 +210,9 @@ def join() -> Iterator[Join]:
         # What differs between hosts and pods that the runner's port translation does not cover: Ray's own
         # per-node temp dir and the fixed-default ports of its agents.
         temp = tempfile.mkdtemp(prefix="r", dir=root)
-        args = [f"--temp-dir={temp}", f"--dashboard-agent-listen-port={_free_port()}"]
+        args = [f"--temp-dir={temp}", f"--dashboard-agent-listen-port={free_port()}"]
         if pod["metadata"]["labels"].get("specrl.io/role") == "coordinator":
-            args.append(f"--ray-client-server-port={_free_port()}")
+            args.append(f"--ray-client-server-port={free_port()}")
         return {"SPECRL_RAY_START_ARGS": " ".join(args), "SPECRL_CONNECT_TIMEOUT": "180",
                 "PYTHONUNBUFFERED": "1"}
 
@@ -241,7 +235,7 @@ def join() -> Iterator[Join]:
         with open(operator_log, "ab") as out:
             operator = subprocess.Popen(
                 [str(BIN / "specrl"), "operator", "-n", NS, "--coordinator-url-template", f"http://127.0.0.1:{http_port}",
-                 "--metrics-port", str(_free_port()), "--health-port", str(_free_port()), "--poll-interval", "1"],
+                 "--metrics-port", str(free_port()), "--health-port", str(free_port()), "--poll-interval", "1"],
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         yield Join(kube, kubectl, runner, operator, operator_log, f"http://127.0.0.1:{http_port}", logs)
     finally:
@@ -326,12 +320,14 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
     target = f"{t_}0"
     join.wait(lambda: list(checkpoints.glob("step-*/COMPLETE")), "a complete checkpoint on the shared volume")
     old: RunningPod = join.runner.running(NS, target)  # type: ignore[assignment]
+    # Counted from here: a pod that crashed earlier (a port taken, say) and came back is already in the count.
+    restarts = int(join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"].get("restarts") or 0)
     os.killpg(old.sid, signal.SIGKILL)
     step_at_kill = int((join.status() or {}).get("step", 0))
     join.wait(lambda: (r := join.runner.running(NS, target)) is not None and r.uid != old.uid,
               f"{target} recreated by the operator")
     assert old.exit_code == 137
-    join.wait(lambda: join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"].get("restarts") == 1,
+    join.wait(lambda: join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"].get("restarts") == restarts + 1,
               "the restart counted once in the RLJob's status")
     states: list[str] = []
 

@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:  # tests.kube is imported as a package from the repository root
     sys.path.insert(0, str(ROOT))
 
+from specrl.runtime.ports import free_port
+
 from tests.kube.nodes import Kubelet, NodeEmulator
 from tests.kube.waiting import wait_for
 
@@ -44,12 +46,6 @@ SPECRL = str(BIN / "specrl")
 PODS = kmock.resource("v1/pods")
 RLJOBS = kmock.resource("specrl.io", "v1alpha1", "rljobs")
 OPERATOR_AGENTS = ("kopf/", "specrl-operator/")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FakeCoordinator:

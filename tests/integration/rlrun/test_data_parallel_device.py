@@ -9,11 +9,11 @@ request while the model stayed on the CPU) is refused with a clear error instead
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
 from specrl.runtime.devices import collective_backend, device_for, ray_num_gpus
+from specrl.runtime.ports import free_port
 from specrl.runtime.rl.trainer import Sample, TrainerWorker
 
 from tests.integration.rlrun.micro import micro_settings
@@ -51,12 +51,6 @@ def _rank(rank: int, port: int, queue: mp.Queue) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_device_rule_on_cpu() -> None:
     assert device_for(0) == torch.device("cpu")
     assert collective_backend("cpu") == "gloo" and collective_backend("cuda:1") == "nccl"
@@ -77,7 +71,7 @@ def test_two_trainers_all_reduce_on_their_own_device(micro) -> None:
     single.train_step(samples, step=0, total_tokens=_total_tokens(samples))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 from specrl.runtime.coordinator import JobCoordinator
-from specrl.runtime.coordinator_http import STATUS_KEYS, free_port
+from specrl.runtime.coordinator_http import STATUS_KEYS
 from specrl.runtime.metrics import METRIC_NAMES
+from specrl.runtime.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from specrl.runtime.ports import free_ports
 
 from tests.kube.pod_runner import processes_in_sessions
 
@@ -40,20 +41,6 @@ NAMESPACE = "specrl-test"
 STEPS = 2
 JOB_TIMEOUT_S = 240.0  # generous on 2 loaded cores; a healthy run takes well under a minute
 STOP_TIMEOUT_S = 45.0
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports (all sockets held open together, so no port is handed out twice)."""
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 
@@ -197,7 +184,7 @@ def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureReque
     param = getattr(request, "param", STEPS)
     steps, rollouts = param if isinstance(param, tuple) else (param, 1)
     job = _write_job(tmp_path / "job.yaml", policy, draft, steps)
-    http_port, head_port, *node_ports = _free_ports(2 + (2 + rollouts) * 3)
+    http_port, head_port, *node_ports = free_ports(2 + (2 + rollouts) * 3)
     token = secrets.token_urlsafe(24)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SPECRL_"))}
     base.update({
@@ -211,7 +198,7 @@ def cluster(micro, tmp_path: Path, short_tmp: Path, request: pytest.FixtureReque
 
     def launch(role: str, worker: str, ports: list[int] | None = None) -> Pod:
         n = len(pods)
-        agent_port, extra_port, metrics_port = ports or _free_ports(3)
+        agent_port, extra_port, metrics_port = ports or free_ports(3)
         home = short_tmp / f"home-{n}"
         (home / ".ray").mkdir(parents=True)
         if role == "coordinator":  # what a local `ray.init` leaves behind; see the module docstring

@@ -10,26 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from specrl.runtime.ports import free_port
 
 pytestmark = pytest.mark.integration
 
 WORKER = Path(__file__).with_name("sync_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_members(scenario: str, world: int, timeout: float = 120) -> dict[int, list[dict]]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(port)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(world)]

@@ -8,8 +8,8 @@ import types
 import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from specrl.runtime.coordinator.records import WorkerSeries
-from specrl.runtime.coordinator_http import free_port
 from specrl.runtime.metrics import serve_own_metrics
+from specrl.runtime.ports import free_port
 
 
 def test_a_worker_process_serves_its_own_series_on_the_declared_port(monkeypatch):
