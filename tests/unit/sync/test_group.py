@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
 import torch
 from specrl.runtime.metrics import RuntimeMetrics
+from specrl.runtime.ports import free_port
 from specrl.runtime.sync import (
     SyncError,
     SyncGroup,
@@ -16,12 +16,6 @@ from specrl.runtime.sync import (
     flatten_state,
     rendezvous_from_env,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
