@@ -91,8 +91,6 @@ STOP_PRIOR = 64.0  # emitted tokens without a stop the stop hazard starts from
 # steps are noisy (the estimates' own check compares low quantiles at 10%); this only has to catch a choice that
 # was mispriced by a lot, such as a drafter calibrated on short sequences.
 SURPRISE = 1.5
-# A forward's estimate carries the others at its batch size (`_shift`) once it rests on this many of its own steps.
-LEVEL_MIN_SAMPLES = 4
 
 
 def is_speculative(decision: Decision) -> bool:
@@ -217,9 +215,7 @@ class AdaptiveController:
         # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
         self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
-        self._samples: dict[tuple, deque[float]] = {}  # timings divided by their batch size's level then
-        self._level: dict[int, float] = {}  # per batch size, the level its cost estimates were carried to (`_shift`)
-        self._own: dict[tuple, float] = {}  # per timing key, the part of its level that its own steps set
+        self._samples: dict[tuple, deque[float]] = {}
         self._tables: dict[int, tuple[int, dict[str | None, tuple[float, Decision]]]] = {}
         self._held: _Held | None = None  # the last argmax, while it stands (`decide`'s fast path)
         self._pending: list[tuple[StepRecord, float | None]] = []  # records not folded yet, with their CPU seconds
@@ -444,42 +440,18 @@ class AdaptiveController:
         acceptance = self.acceptance(method, optimism)
         return acceptance * keep if isinstance(acceptance, float) else [p * keep for p in acceptance]
 
-    def _sample(self, key: tuple, x: float, seed: float | None, b: int) -> float:
+    def _sample(self, key: tuple, x: float, seed: float | None) -> float:
         """Add one timing sample and return the new estimate: from two samples on, a low quantile of the last
-        `window` (kept relative to batch size b's level, see `_shift`); after one, its mean with the seed (the
-        calibration's value). The seed does not stay in the window: a calibration timed on short sequences
-        (attention grows with the context) held a wrong cost for a dozen steps of the workload when it counted as
-        three samples."""
-        scale = self._level.get(b, 1.0) / self._own.get(key, 1.0)
+        `window`; after one, its mean with the seed (the calibration's value). The seed does not stay in the
+        window: a calibration timed on short sequences (attention grows with the context) held a wrong cost for a
+        dozen steps of the workload when it counted as three samples."""
         window = self._samples.get(key)
         if window is None:
             window = self._samples[key] = deque(maxlen=self.settings.window)
-        window.append(x / scale)
+        window.append(x)
         if len(window) == 1 and seed is not None:
             return (seed + x) / 2
-        return low_percentile(window, 0.25) * scale
-
-    def _shift(self, b: int, key: tuple, before: float | None, after: float) -> None:
-        """Move every cost estimate at batch size b as the forward that ran (`key`) moved, from `before` to `after`.
-
-        Every forward at b gets dearer as the rows' contexts grow (attention reads them all) and as other
-        processes load the machine, whichever option runs, but only the option that runs is measured. Left
-        where they were last measured, the others drift apart from it: in the benchmark's serving shape plain
-        steps at batch 16 went from 6.9 to 7.9 ms over one run as the rows aged, a verification measured at the
-        start of the run looked 13% cheaper against them than it was, and the policy switched to draft_model
-        γ=1-2, which ran at 0.92x plain. So the running forward's estimate carries the others along: a common
-        level per batch size moves by its change, and its own samples are kept net of that move (`_own`), so
-        that only steps, never the level, set what it costs. What the options cost relative to each other is
-        still learned from their own steps when they run."""
-        window = self._samples.get(key)
-        if not before or window is None or len(window) < LEVEL_MIN_SAMPLES or self._costs is None:
-            return
-        f = after / before
-        if f == 1.0 or not 0.5 <= f <= 2.0:  # no move, or a window that just started (nothing to carry)
-            return
-        self._level[b] = self._level.get(b, 1.0) * f
-        self._own[key] = self._own.get(key, 1.0) * f
-        self._costs.rescale_batch(b, f)
+        return low_percentile(window, 0.25)
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
         # Only kept here: the records reach the estimates on the next step that computes anything (`_fold`), so
@@ -538,8 +510,7 @@ class AdaptiveController:
         self._last_run[method] = self.steps
         if method is None:
             old = self._costs.target_step.get(b) if self._costs is not None else None
-            t = self._sample(("ar", b), record.seconds, old, b)
-            self._shift(b, ("ar", b), old, t)
+            t = self._sample(("ar", b), record.seconds, old)
             if self._costs is None:
                 self._costs = CostModel(target_step={b: t}, verify_step={})
             self._costs.target_step[b] = t
@@ -569,9 +540,7 @@ class AdaptiveController:
         k = decision.gamma + 1
         by_k = c.verify_step.setdefault(b, {})
         old = by_k.get(k)
-        verify = self._sample(("verify", b, k), record.target_seconds, old, b)
-        self._shift(b, ("verify", b, k), old, verify)
-        by_k[k] = verify
+        by_k[k] = self._sample(("verify", b, k), record.target_seconds, old)
         self._follow(b)
         g = decision.gamma
         if not c.knows(method):  # first ever measurement: an upper bound until a steady step comes
@@ -583,7 +552,7 @@ class AdaptiveController:
                 by_g = c.draft_round[method][b] = {
                     k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
                 self._draft_predicted[(method, b)] = dict(by_g)
-            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g), b)
+            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g))
             predicted = self._draft_predicted.get((method, b))
             if predicted:  # the draft lengths no step has measured move with the measured ones
                 measured = {k for k in by_g if ("draft", method, b, k) in self._samples}

@@ -178,18 +178,6 @@ class CostModel:
         """Whether proposer `method`'s drafting cost has been measured (calibrated or observed)."""
         return method in self.draft_step or method in self.draft_round
 
-    def rescale_batch(self, batch: int, factor: float) -> None:
-        """Multiply every cost at exactly this batch size by `factor` (their ratios, which the policy reads, stay)."""
-        if batch in self.target_step:
-            self.target_step[batch] *= factor
-        for by_k in (self.verify_step.get(batch), *(r.get(batch) for r in self.draft_round.values())):
-            if by_k:
-                for k in by_k:
-                    by_k[k] *= factor
-        for by_b in (*self.draft_step.values(), *self.overhead.values()):
-            if batch in by_b:
-                by_b[batch] *= factor
-
     def t_ar(self, batch: int) -> float:
         return _interp(self.target_step, batch)
 

@@ -517,38 +517,6 @@ def test_a_choice_that_runs_slower_than_predicted_is_left_within_a_few_steps() -
     assert ran.count("quantized_self") <= 4 and ran[-1] == "draft_model", ran
 
 
-class AgingMachine(Machine):
-    """A `Machine` whose every forward costs `scale` times more: the rows' contexts grow as they decode."""
-
-    scale = 1.0
-
-    def t(self, b: int) -> float:
-        return super().t(b) * self.scale
-
-
-def test_the_forward_that_runs_carries_the_others_costs_along() -> None:
-    # The serving shape at batch 16: draft_model γ=1 runs at ~0.95x plain decoding. It is measured once, then plain
-    # decoding runs while the rows age and every forward gets 15% dearer. The verification's estimate must age
-    # with the plain step's (without, it stayed at its first measurement, looked 9% cheaper than it was against
-    # the plain step, and the policy switched to speculation).
-    b, dm = 16, Decision("draft_model", 1)
-    machine = AgingMachine({"draft_model": 0.85}, {"draft_model": 0.015}, c=0.058, seed=3)
-    ctrl = AdaptiveController(["draft_model"], cost_model=calibrated(machine, ["draft_model"]),
-                              alpha_priors={"draft_model": 0.85})
-    for _ in range(8):
-        ctrl.decide(b)
-        ctrl.observe(dm, machine.step(dm, b))
-    assert ctrl.costs is not None
-    before = ctrl.costs.v(b, 1)
-    for i in range(64):
-        machine.scale = 1 + 0.15 * i / 63
-        ctrl.decide(b)
-        ctrl.observe(AR, machine.step(AR, b))
-    assert ctrl.costs.target_step[b] > 1.08 * machine.t(b) / machine.scale  # the plain step's estimate aged
-    assert ctrl.costs.v(b, 1) == pytest.approx(before, rel=0.03)  # and the verification's with it
-    assert ctrl.choose(b) == AR
-
-
 def test_a_held_choice_defers_its_records_and_loses_none() -> None:
     # Between two computations of the argmax the steps only keep their records (the estimation runs on the next
     # step that computes anything): two controllers fed the same steps, one made to fold after every step by reading
