@@ -47,16 +47,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     Falls back to a kernel-assigned port when the range below the ephemeral one is too small to search (a
     host configured with a low ephemeral range)."""
     top = ephemeral_low()
-    if top - LOW >= 1000:
-        with _lock:
-            for _ in range(200):
-                port = _rng.randrange(LOW, top)
-                if port not in _handed_out and _bindable(host, port):
-                    _handed_out.add(port)
-                    return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    with _lock:
+        for _ in range(200 if top - LOW >= 1000 else 0):
+            port = _rng.randrange(LOW, top)
+            if port not in _handed_out and _bindable(host, port):
+                _handed_out.add(port)
+                return port
+        while True:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

@@ -184,15 +184,12 @@ class PodRunner:
             log.warning("pod runner: status of %s not written (%s)", pod.name, exc)
 
     # ------------------------------------------------------------------ ports and names
-    def _free_port(self) -> int:
-        return free_port(HOST)
-
     def service_port(self, namespace: str, service: str, target_port: int) -> int:
         """The host port that stands for `service`'s `target_port` (stable; allocated on first use)."""
         with self._lock:
             key = (namespace, service, target_port)
             if key not in self._service_ports:
-                self._service_ports[key] = self._free_port()
+                self._service_ports[key] = free_port(HOST)
             return self._service_ports[key]
 
     def pod_port(self, namespace: str, pod: str, port: int) -> int:
@@ -205,7 +202,7 @@ class PodRunner:
                         return self.service_port(namespace, svc["metadata"]["name"], port)
             key = (namespace, pod, port)
             if key not in self._pod_ports:
-                self._pod_ports[key] = self._free_port()
+                self._pod_ports[key] = free_port(HOST)
             return self._pod_ports[key]
 
     def _services_selecting(self, namespace: str, pod_name: str) -> list[dict[str, Any]]:

@@ -43,8 +43,6 @@ JOB_TIMEOUT_S = 240.0  # generous on 2 loaded cores; a healthy run takes well un
 STOP_TIMEOUT_S = 45.0
 
 
-
-
 @dataclass
 class Pod:
     """One `specrl worker ROLE` process standing in for a pod; its session holds everything it starts."""

@@ -26,6 +26,8 @@ def test_a_taken_port_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_low_ephemeral_range_falls_back_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel_low = ports.ephemeral_low()
     monkeypatch.setattr(ports, "ephemeral_low", lambda: ports.LOW + 10)
     port = ports.free_port()
     assert 0 < port < 65536
+    assert port >= kernel_low  # the kernel's pick, not one from the 10 ports below its range
