@@ -9,7 +9,8 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
 
 * **running estimates**: t(b), t_v(b, k) and d_m(b, γ) start from the start-up calibration (`calibrate`) and are
   replaced by what the steps themselves measure once two steps have (a low quantile of the last `window` samples
-  per batch size and length: on a shared machine other processes only ever add time; a length no step has
+  per batch size and length: on a shared machine other processes only ever add time; plain decoding's of the
+  last `horizon` steps only, see the rechecks below; a length no step has
   measured keeps its calibrated cost relative to the nearest measured one, `rescale_unmeasured`); α_m is
   accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. p_j is α_m times the shape of acceptance over the draft positions: the same ratio at
   position j over all of them, each counted over a longer window (`shape_memory`; position j's shrunk towards
@@ -34,6 +35,16 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
   to catch up, and a rollout's batch is refilled at full size right after a tail that ran speculation, where a
   held speculative incumbent would cost up to `hysteresis` on every step of the batch's most expensive phase;
+* **plain rechecks**: every forward's cost grows with the rows' contexts (attention reads them), and speculation
+  is worth only what it saves against a plain step *now*. While a proposer runs, one plain step now and then keeps
+  that cost current: every `recheck` steps at a batch size, or less often where speculation is predicted to win by
+  more (each recheck gives up that gain for a step: at most `recheck_cost` of the time). Plain decoding's estimate
+  reads only the samples of the last `horizon` steps (at least `RECENT_MIN`), so a recheck replaces what was
+  measured on other rows: on the benchmark, a batch of 16 new rows inherited the plain cost of the previous batch's
+  long contexts (15% dearer) and ran speculation at 0.87-0.97x plain decoding on the strength of it. The
+  speculative options keep their whole window: each of them is the argmax only where its estimate is lowest, and
+  on the last few samples the lucky ones won (every estimate on its last 16 steps' samples spread batch 2 over four
+  draft lengths, 0.93x the best fixed);
 * **probes**: a share `probe` of the steps runs the option that has gone longest without a measurement — plain
   decoding included — so a drafter that improves (it is trained while the job runs) or a machine that got slower
   is noticed. Only options that could change the choice are probed: a proposer must beat the best prediction
@@ -91,6 +102,7 @@ STOP_PRIOR = 64.0  # emitted tokens without a stop the stop hazard starts from
 # steps are noisy (the estimates' own check compares low quantiles at 10%); this only has to catch a choice that
 # was mispriced by a lot, such as a drafter calibrated on short sequences.
 SURPRISE = 1.5
+RECENT_MIN = 3  # plain samples its estimate reads at least, however old (see `AdaptiveSettings.horizon`)
 
 
 def is_speculative(decision: Decision) -> bool:
@@ -145,6 +157,12 @@ class AdaptiveSettings:
     probe_max_batch: int = 16  # no probes above this active batch size (see the module docstring)
     probe_optimism: float = 0.25  # a proposer is probed only if this much more acceptance would make it the best
     window: int = 32  # timing samples kept per (quantity, batch size)
+    # plain rechecks (module docstring): the steps a plain sample stays current, the fewest steps between two
+    # rechecks at one batch size, and the share of time they may cost (a recheck where speculation is predicted
+    # at r times plain decoding comes every (r - 1) / recheck_cost steps: 60 at 1.3x)
+    horizon: int = 64
+    recheck: int = 16
+    recheck_cost: float = 0.005
     # draft tokens of acceptance evidence the estimate remembers (an exponential window): counted in tokens, not
     # rounds, so it follows a change of regime as fast at batch 1 (a few tokens a round) as at batch 16
     alpha_memory: float = 256.0
@@ -176,6 +194,9 @@ class AdaptiveSettings:
         if not self.alpha_memory > 0 or not self.shape_memory > 0 or not self.stop_memory > 0:
             raise ValueError(f"alpha_memory, shape_memory and stop_memory must be > 0, got {self.alpha_memory}, "
                              f"{self.shape_memory}, {self.stop_memory}")
+        if self.horizon < 1 or self.recheck < 1 or not self.recheck_cost > 0:
+            raise ValueError(f"horizon and recheck must be >= 1 and recheck_cost > 0, got {self.horizon}, "
+                             f"{self.recheck}, {self.recheck_cost}")
         if self.window < 1 or self.refresh < 1 or self.probe_run < 1 or self.probe_max_batch < 1:
             raise ValueError(f"window, refresh, probe_run and probe_max_batch must be >= 1, got {self.window}, "
                              f"{self.refresh}, {self.probe_run}, {self.probe_max_batch}")
@@ -215,10 +236,11 @@ class AdaptiveController:
         # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
         self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
-        self._samples: dict[tuple, deque[float]] = {}
+        self._samples: dict[tuple, deque[tuple[int, float]]] = {}  # per quantity: (step, seconds), oldest first
         self._tables: dict[int, tuple[int, dict[str | None, tuple[float, Decision]]]] = {}
         self._held: _Held | None = None  # the last argmax, while it stands (`decide`'s fast path)
-        self._pending: list[tuple[StepRecord, float | None]] = []  # records not folded yet, with their CPU seconds
+        # records not folded yet, with their CPU seconds and the step that ran them
+        self._pending: list[tuple[StepRecord, float | None, int]] = []
         self._last_run: dict[str | None, int] = {}  # option (None: plain) -> step it last ran
         self._last_method: str | None = None
         self._clock = StepClock(s.clock)
@@ -350,6 +372,9 @@ class AdaptiveController:
         else:
             probe = self._probe(active_batch_size)
             decision = probe or self.choose(active_batch_size)
+            if probe is None and self._plain_is_stale(active_batch_size, decision):
+                self.current, probe = decision, AR
+                decision = AR
         if probe is None:
             self.current = decision
         self.probes += probe is not None
@@ -362,6 +387,21 @@ class AdaptiveController:
         self._report(decision)
         self._clock.start()
         return decision
+
+    def _plain_is_stale(self, batch: int, decision: Decision) -> bool:
+        """Whether plain decoding's cost at this batch size is due a recheck while `decision` runs (see "plain
+        rechecks" in the module docstring)."""
+        s = self.settings
+        if not s.toggle or not is_speculative(decision) or batch > s.probe_max_batch:
+            return False
+        window = self._samples.get(("ar", batch))
+        if not window:  # never measured here: nothing to recheck (the calibration's or a neighbour's cost stands)
+            return False
+        since = self.steps - window[-1][0]
+        if since <= s.recheck:
+            return False
+        gain = self.table(batch)[decision.method][0] - 1
+        return since > gain / s.recheck_cost
 
     def _hold(self, batch: int, decision: Decision, counts: Counter[str]) -> _Held | None:
         """Until which step `decision` stands at this batch size: the next refresh of its table or the next step
@@ -440,25 +480,32 @@ class AdaptiveController:
         acceptance = self.acceptance(method, optimism)
         return acceptance * keep if isinstance(acceptance, float) else [p * keep for p in acceptance]
 
-    def _sample(self, key: tuple, x: float, seed: float | None) -> float:
+    def _sample(self, key: tuple, x: float, seed: float | None, step: int) -> float:
         """Add one timing sample and return the new estimate: from two samples on, a low quantile of the last
-        `window`; after one, its mean with the seed (the calibration's value). The seed does not stay in the
-        window: a calibration timed on short sequences (attention grows with the context) held a wrong cost for a
-        dozen steps of the workload when it counted as three samples."""
+        `window` (plain decoding's: of those of the last `horizon` steps, at least `RECENT_MIN`); after one, its
+        mean with the seed (the calibration's value). The seed does not stay in the window: a calibration timed on
+        short sequences (attention grows with the context) held a wrong cost for a dozen steps of the workload when
+        it counted as three samples."""
         window = self._samples.get(key)
         if window is None:
             window = self._samples[key] = deque(maxlen=self.settings.window)
-        window.append(x)
+        window.append((step, x))
         if len(window) == 1 and seed is not None:
             return (seed + x) / 2
-        return low_percentile(window, 0.25)
+        if key[0] != "ar":
+            return low_percentile([v for _, v in window], 0.25)
+        since = step - self.settings.horizon
+        recent = [v for at, v in window if at > since]
+        if len(recent) < RECENT_MIN:
+            recent = [v for _, v in list(window)[-RECENT_MIN:]]
+        return low_percentile(recent, 0.25)
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
         # Only kept here: the records reach the estimates on the next step that computes anything (`_fold`), so
         # the steps that keep the last argmax run no estimation in the decode loop. A table is never computed from
         # records not folded yet.
         seconds = self._clock.elapsed()
-        self._pending.append((record, seconds))
+        self._pending.append((record, seconds, self.steps))
         held = self._held
         if held is not None and held.seconds > 0:
             # a step far from what its choice was predicted to cost ends the hold: the next step folds, and the
@@ -470,10 +517,10 @@ class AdaptiveController:
     def _fold(self) -> None:
         """Bring the kept records into the estimates, in the order the steps ran."""
         pending, self._pending = self._pending, []
-        for record, seconds in pending:
-            self._learn_step(retimed(record, seconds))
+        for record, seconds, step in pending:
+            self._learn_step(retimed(record, seconds), step)
 
-    def _learn_step(self, record: StepRecord) -> None:
+    def _learn_step(self, record: StepRecord, step: int) -> None:
         b = record.batch_size
         if b < 1 or record.seconds <= 0:
             return
@@ -483,7 +530,7 @@ class AdaptiveController:
             stops, tokens = self._stops.get(key, (0.0, 0.0))
             self._stops[key] = (keep * stops + record.stopped, keep * tokens + record.emitted_tokens)
         before = self._predicted_seconds(record, b)
-        self._learn(record, b)
+        self._learn(record, b, step)
         after = self._predicted_seconds(record, b)
         # the table of this batch size is recomputed on the next decision when folding what ran moved its estimate
         # by 10% (else a wrong choice would run until the next refresh)
@@ -502,15 +549,15 @@ class AdaptiveController:
             return None
         return c.round_seconds(record.method, record.gamma, b)
 
-    def _learn(self, record: StepRecord, b: int) -> None:
+    def _learn(self, record: StepRecord, b: int, step: int) -> None:
         # what ran (the engine decodes plainly when every row ends within one token, and caps γ at the budget)
         decision = Decision(record.method, record.gamma) if record.method and record.gamma > 0 else AR
         method = decision.method
         switched, self._last_method = method != self._last_method, method
-        self._last_run[method] = self.steps
+        self._last_run[method] = step
         if method is None:
             old = self._costs.target_step.get(b) if self._costs is not None else None
-            t = self._sample(("ar", b), record.seconds, old)
+            t = self._sample(("ar", b), record.seconds, old, step)
             if self._costs is None:
                 self._costs = CostModel(target_step={b: t}, verify_step={})
             self._costs.target_step[b] = t
@@ -540,7 +587,7 @@ class AdaptiveController:
         k = decision.gamma + 1
         by_k = c.verify_step.setdefault(b, {})
         old = by_k.get(k)
-        by_k[k] = self._sample(("verify", b, k), record.target_seconds, old)
+        by_k[k] = self._sample(("verify", b, k), record.target_seconds, old, step)
         self._follow(b)
         g = decision.gamma
         if not c.knows(method):  # first ever measurement: an upper bound until a steady step comes
@@ -552,7 +599,7 @@ class AdaptiveController:
                 by_g = c.draft_round[method][b] = {
                     k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
                 self._draft_predicted[(method, b)] = dict(by_g)
-            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g))
+            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g), step)
             predicted = self._draft_predicted.get((method, b))
             if predicted:  # the draft lengths no step has measured move with the measured ones
                 measured = {k for k in by_g if ("draft", method, b, k) in self._samples}

@@ -517,6 +517,70 @@ def test_a_choice_that_runs_slower_than_predicted_is_left_within_a_few_steps() -
     assert ran.count("quantized_self") <= 4 and ran[-1] == "draft_model", ran
 
 
+def fed(ctrl: AdaptiveController, b: int, seconds: Any, steps: int, draft_seconds: float = 0.02) -> list[Decision]:
+    """`steps` decisions at batch b, each observed as a step of `seconds(decision)` seconds (every draft accepted
+    with chance 0.84 at γ=1: 1.84 tokens a round)."""
+    ran = []
+    for i in range(steps):
+        d = ctrl.decide(b)
+        accepted = round(0.84 * b * (i + 1)) - round(0.84 * b * i) if d.method else 0
+        draft = draft_seconds if d.method else 0.0
+        ctrl.observe(d, record(d, b, accepted, seconds(d) + draft, draft, tried=b if d.method else 0))
+        ran.append(d)
+    return ran
+
+
+def test_old_timings_leave_the_estimate() -> None:
+    # Costs move with the rows' context lengths: plain decoding's estimate reads the samples of the last `horizon`
+    # steps (at least three), so a cost measured a hundred steps earlier, on other rows, is replaced by three new
+    # samples; within the horizon the low quantile over the window still smooths single steps.
+    ctrl = policy(["draft_model"], CostModel(target_step={1: 1.0, 4: 1.0}, verify_step={1: {1: 1.0}, 4: {1: 1.0}}))
+    for b, n in ((4, 32), (1, 100)):
+        for _ in range(n):
+            ctrl.observe(AR, record(AR, b, 0, 1.0))
+            ctrl.steps += 1
+    assert ctrl.costs is not None and ctrl.costs.target_step[4] == 1.0
+    for i in range(3):
+        ctrl.observe(AR, record(AR, 4, 0, 1.3))
+        ctrl.steps += 1
+        assert ctrl.costs.target_step[4] == pytest.approx(1.0 if i < 2 else 1.3)
+    for _ in range(3):  # within the horizon: three dearer steps among 35 are not the low quantile
+        ctrl.observe(AR, record(AR, 1, 0, 1.3))
+        ctrl.steps += 1
+    assert ctrl.costs.target_step[1] == 1.0
+    # a proposer's costs keep their whole window (its few new samples would make it the argmax when lucky)
+    dm = Decision("draft_model", 1)
+    for seconds, n in ((1.0, 32), (1.3, 3)):
+        for _ in range(n):
+            ctrl.observe(dm, record(dm, 4, 1, seconds))
+            ctrl.steps += 100
+    assert ctrl.costs.verify_step[4][2] == 1.0
+
+
+def test_plain_decoding_is_rechecked_while_speculation_runs_at_a_near_tie() -> None:
+    # Batch 16 of a rollout: plain steps measured on long contexts (1.10) make a γ=1 round (1.84 tokens for 1.90)
+    # look 1.07x faster on the next rows, where a plain step costs 1.0 and the round is 0.97x plain decoding. One
+    # plain step now and then finds it out; where speculation wins by far (1.7x at batch 1 here) the rechecks are
+    # rarer: every (1.7 - 1) / 0.005 = 140 steps.
+    costs = CostModel(target_step={1: 1.0, 16: 1.1}, verify_step={1: {1: 1.0, 2: 1.05}, 16: {1: 1.1, 2: 1.88}},
+                      draft_step={"draft_model": {1: 0.02, 16: 0.02}})
+    ctrl = policy(["draft_model"], costs, alpha=0.84, max_gamma=1, gamma=1)
+    truth = {1: lambda d: 1.05 if d.method else 1.0, 16: lambda d: 1.88 if d.method else 1.0}
+    for b in [16] * 40 + [1]:  # before: plain steps on the long contexts
+        ctrl.observe(AR, record(AR, b, 0, 1.1 if b == 16 else 1.0))
+        ctrl.steps += 1
+    ran = fed(ctrl, 1, truth[1], 200)
+    assert ran.count(AR) == 1 and 140 < ran.index(AR) < 150 and ctrl.table(1)["draft_model"][0] > 1.6
+    assert ctrl.table(16)["draft_model"][0] == pytest.approx(1.84 / 1.90 * 1.1, rel=0.02)
+    first = ctrl.decide(16)
+    assert first == AR and ctrl.current == Decision("draft_model", 1)  # the recheck: plain runs, speculation stands
+    ctrl.observe(first, record(AR, 16, 0, 1.0))
+    ran = fed(ctrl, 16, truth[16], 100)
+    assert all(d == AR for d in ran[10:]), Counter(map(label, ran))  # within its table's refresh (8 steps)
+    with pytest.raises(ValueError, match="recheck"):
+        AdaptiveSettings(recheck=0)
+
+
 def test_a_held_choice_defers_its_records_and_loses_none() -> None:
     # Between two computations of the argmax the steps only keep their records (the estimation runs on the next
     # step that computes anything): two controllers fed the same steps, one made to fold after every step by reading
