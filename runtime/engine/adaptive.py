@@ -10,15 +10,15 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
 * **running estimates**: t(b), t_v(b, k) and d_m(b, γ) start from the start-up calibration (`calibrate`) and are
   replaced by what the steps themselves measure once two steps have (a low quantile of the last `window` samples
   per batch size and length: on a shared machine other processes only ever add time; plain decoding's of the
-  last `horizon` steps only, see the rechecks below; a length no step has
-  measured keeps its calibrated cost relative to the nearest measured one, `rescale_unmeasured`); α_m is
-  accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. p_j is α_m times the shape of acceptance over the draft positions: the same ratio at
-  position j over all of them, each counted over a longer window (`shape_memory`; position j's shrunk towards
-  position j−1's by `POSITION_PRIOR` tokens). Where later positions are accepted less often (heads that draft from
-  their own guesses, such as EAGLE's and MTP's, lose acceptance with depth) the geometric law drafts too long; the
-  benchmark's draft model is flat (0.85–0.91 at positions 1–8), and there the two laws agree. The level moves fast
-  and the shape slowly: per-position ratios over the level's short window were noisy enough to flap between two
-  proposers within 2% of each other. A step whose estimate moves by 10% when it is folded recomputes its batch
+  last `horizon` steps only, see the rechecks below; a length no step has measured keeps its calibrated cost
+  relative to the nearest measured one, `rescale_unmeasured`); α_m is accepted / tried draft tokens over an
+  exponential window of `alpha_memory` tokens. p_j is α_m times the shape of acceptance over the draft positions:
+  the same ratio at position j over all of them, each counted over a longer window (`shape_memory`; position j's
+  shrunk towards position j−1's by `POSITION_PRIOR` tokens). Where later positions are accepted less often (heads
+  that draft from their own guesses, such as EAGLE's and MTP's, lose acceptance with depth) the geometric law
+  drafts too long; the benchmark's draft model is flat (0.85–0.91 at positions 1–8), and there the two laws agree.
+  The level moves fast and the shape slowly: per-position ratios over the level's short window were noisy enough
+  to flap between two proposers within 2% of each other. A step whose estimate moves by 10% when it is folded recomputes its batch
   size's table (a held step 1.5x off its prediction is folded at the next step, see below): the calibration
   decodes short sequences, and a drafter whose cost grows with the context looks cheaper there than it is in the
   tail;
@@ -373,8 +373,7 @@ class AdaptiveController:
             probe = self._probe(active_batch_size)
             decision = probe or self.choose(active_batch_size)
             if probe is None and self._plain_is_stale(active_batch_size, decision):
-                self.current, probe = decision, AR
-                decision = AR
+                self.current, probe, decision = decision, AR, AR
         if probe is None:
             self.current = decision
         self.probes += probe is not None

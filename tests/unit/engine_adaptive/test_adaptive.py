@@ -6,6 +6,7 @@ import itertools
 import math
 import random
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -517,7 +518,8 @@ def test_a_choice_that_runs_slower_than_predicted_is_left_within_a_few_steps() -
     assert ran.count("quantized_self") <= 4 and ran[-1] == "draft_model", ran
 
 
-def fed(ctrl: AdaptiveController, b: int, seconds: Any, steps: int, draft_seconds: float = 0.02) -> list[Decision]:
+def fed(ctrl: AdaptiveController, b: int, seconds: Callable[[Decision], float], steps: int,
+        draft_seconds: float = 0.02) -> list[Decision]:
     """`steps` decisions at batch b, each observed as a step of `seconds(decision)` seconds (every draft accepted
     with chance 0.84 at γ=1: 1.84 tokens a round)."""
     ran = []
