@@ -18,10 +18,10 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   that draft from their own guesses, such as EAGLE's and MTP's, lose acceptance with depth) the geometric law
   drafts too long; the benchmark's draft model is flat (0.85–0.91 at positions 1–8), and there the two laws agree.
   The level moves fast and the shape slowly: per-position ratios over the level's short window were noisy enough
-  to flap between two proposers within 2% of each other. A step whose estimate moves by 10% when it is folded recomputes its batch
-  size's table (a held step 1.5x off its prediction is folded at the next step, see below): the calibration
-  decodes short sequences, and a drafter whose cost grows with the context looks cheaper there than it is in the
-  tail;
+  to flap between two proposers within 2% of each other. A step whose estimate moves by 10% when it is folded
+  recomputes its batch size's table (a held step 1.5x off its prediction is folded at the next step, see below):
+  the calibration decodes short sequences, and a drafter whose cost grows with the context looks cheaper there
+  than it is in the tail;
 * **stop hazard**: a round also ends where its sequence does. The chance h(b) that an emitted token is a stop
   token (stops per emitted token at this batch size, over `stop_memory` tokens, `STOP_PRIOR` tokens of no-stop
   prior) scales every p_j by 1 − h(b), and α_m counts only drafts inside the text. Why: a drafter that is a copy of
