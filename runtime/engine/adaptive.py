@@ -594,7 +594,7 @@ class AdaptiveController:
         elif not switched:
             by_g = c.draft_round.setdefault(method, {}).get(b)
             if by_g is None:  # first round at this batch size: every γ starts from the model's prediction
-                t = c.target_step.get(b) or c.t_ar(b)
+                t = c.plain_step(b)
                 by_g = c.draft_round[method][b] = {
                     k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
                 self._draft_predicted[(method, b)] = dict(by_g)

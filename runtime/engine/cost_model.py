@@ -193,13 +193,22 @@ class CostModel:
             return {g: float(g + 1) for g in gammas}
         out = dict.fromkeys(gammas, 0.0)
         for b, w in _bracket(sorted(self.verify_step), batch):
-            t = self.target_step.get(b) or self.t_ar(b)
+            t = self.plain_step(b)
             points = {**self.verify_step[b], 1: t}
             ks = sorted(points)
             for g in gammas:
                 out[g] += linear_in_tokens(points, g + 1, ks) / t * w
-        # verifying γ+1 tokens is never cheaper than the one-token plain step it replaces
-        return {g: max(x, 1.0) for g, x in out.items()}
+        return out
+
+    def plain_step(self, batch: int) -> float:
+        """The unit of the ratios at this batch size: the plain step, capped at the cheapest verification measured
+        here. At one moment verifying γ+1 tokens never costs less than the one-token step it replaces; estimates
+        that say otherwise were taken at different moments (a plain step timed under load, or on the longer
+        contexts of rows that are gone, is re-measured only now and then while speculation runs). Clamping each
+        verification up to a stale plain step instead gave every short draft length the same cost: at batch 2, γ=2
+        and γ=3 both cost "one plain step" and the policy ran γ=3 at 1.68x plain where γ=2 ran at 1.98x."""
+        t = self.target_step.get(batch) or self.t_ar(batch)
+        return min([t, *(x for k, x in self.verify_step.get(batch, {}).items() if k > 1)])
 
     def r(self, method: str, batch: int) -> float:
         if method not in self.draft_step:
@@ -225,7 +234,7 @@ class CostModel:
             raise KeyError(f"CostModel: proposer {method!r} was not calibrated (have {self.methods})")
         out = dict.fromkeys(gammas, 0.0)
         for b, w in _bracket(keys, batch):
-            t = self.target_step.get(b) or self.t_ar(b)
+            t = self.plain_step(b)
             points = rounds.get(b)
             if points:
                 ks = sorted(points)
@@ -245,12 +254,11 @@ class CostModel:
     def round_seconds(self, method: str, gamma: int, batch: int) -> float:
         """`round_cost` in seconds. Once a step has run this option at this batch size its costs are entries of the
         tables, and the ratio to t(b) reduces to reading them (the policy asks twice a step)."""
-        t = self.target_step.get(batch)
         draft = self.draft_round.get(method, {}).get(batch, {}).get(gamma)
         verify = self.verify_step.get(batch, {}).get(gamma + 1)
-        if t is not None and draft is not None and verify is not None:
-            return max(draft, 0.0) + max(verify, t)
-        return self.round_cost(method, gamma, batch) * self.t_ar(batch)
+        if draft is not None and verify is not None:
+            return max(draft, 0.0) + verify
+        return self.round_cost(method, gamma, batch) * self.plain_step(batch)
 
     def speedup(self, method: str, gamma: int, batch: int, acceptance: Acceptance) -> float:
         return round_lengths(acceptance, (gamma,))[gamma] / self.round_cost(method, gamma, batch)

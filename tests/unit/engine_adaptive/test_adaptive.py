@@ -428,15 +428,32 @@ def test_cost_model_roundtrips_and_interpolates() -> None:
 
 def test_round_seconds_reads_measured_entries_as_round_cost_computes_them() -> None:
     # the policy's per-step surprise check reads a measured option's costs directly; it must equal the interpolating
-    # path wherever both apply, and fall back to it where an entry is missing (or a verify timed below a plain step)
+    # path wherever both apply, and fall back to it where an entry is missing
     model = CostModel(target_step={2: 2e-3, 8: 4e-3}, verify_step={2: {3: 3e-3, 5: 1.5e-3}, 8: {3: 9e-3}},
                       draft_round={"draft_model": {2: {2: 4e-4, 4: 9e-4}, 8: {2: 5e-4}}})
     for b, g in ((2, 2), (2, 4), (8, 2)):
         assert model.round_seconds("draft_model", g, b) == pytest.approx(model.round_cost("draft_model", g, b)
-                                                                         * model.t_ar(b))
-    assert model.round_seconds("draft_model", 4, 2) == pytest.approx(9e-4 + 2e-3)  # verify clamped to t(b)
+                                                                         * model.plain_step(b))
+    # a verification timed below the plain step caps the plain step (the unit) instead of being raised to it
+    assert model.plain_step(2) == 1.5e-3 and model.plain_step(8) == 4e-3
+    assert model.round_seconds("draft_model", 4, 2) == pytest.approx(9e-4 + 1.5e-3)
     for b, g in ((4, 2), (2, 3), (8, 4)):  # interpolated: no entry at b, γ or γ+1
-        assert model.round_seconds("draft_model", g, b) == model.round_cost("draft_model", g, b) * model.t_ar(b)
+        assert model.round_seconds("draft_model", g, b) == model.round_cost("draft_model", g, b) * model.plain_step(b)
+
+
+def test_a_stale_plain_step_leaves_each_draft_length_its_own_cost() -> None:
+    # the plain step timed under load (3.6 ms) against verifications of 3 and 4 tokens measured since (2.5, 3.4 ms):
+    # clamping each verification up to the plain step made both cost one plain step, and γ=3 won on its longer
+    # rounds; capping the plain step at the cheapest verification keeps γ=3's extra cost, and γ=2 wins as it does
+    # with a fresh plain step
+    def model(t: float) -> CostModel:
+        return CostModel(target_step={2: t}, verify_step={2: {1: 2.4e-3, 3: 2.5e-3, 4: 3.4e-3}},
+                         draft_round={"draft_model": {2: {2: 3e-4, 3: 4.5e-4}}})
+
+    stale, fresh = model(3.6e-3), model(2.4e-3)
+    assert stale.plain_step(2) == 2.5e-3  # the calibration's 1-token entry is the plain step's, not a verification
+    assert stale.verify_ratios(2, (2, 3)) == pytest.approx({2: 1.0, 3: 3.4 / 2.5})
+    assert stale.best_gamma("draft_model", 2, 0.75, (2, 3))[0] == fresh.best_gamma("draft_model", 2, 0.75, (2, 3))[0] == 2
 
 
 def test_cpu_clock_restamps_step_seconds() -> None:
