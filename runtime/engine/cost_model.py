@@ -201,12 +201,13 @@ class CostModel:
         return out
 
     def plain_step(self, batch: int) -> float:
-        """The unit of the ratios at this batch size: the plain step, capped at the cheapest verification measured
-        here. At one moment verifying γ+1 tokens never costs less than the one-token step it replaces; estimates
-        that say otherwise were taken at different moments (a plain step timed under load, or on the longer
-        contexts of rows that are gone, is re-measured only now and then while speculation runs). Clamping each
-        verification up to a stale plain step instead gave every short draft length the same cost: at batch 2, γ=2
-        and γ=3 both cost "one plain step" and the policy ran γ=3 at 1.68x plain where γ=2 ran at 1.98x."""
+        """The unit of the ratios at this batch size: the plain step, capped at the cheapest verification estimate
+        here (calibrated or measured by steps). At one moment verifying γ+1 tokens never costs less than the
+        one-token step it replaces; estimates that say otherwise were taken at different moments (a plain step
+        timed under load, or on the longer contexts of rows that are gone, is re-measured only now and then while
+        speculation runs). Clamping each verification up to a stale plain step instead gave every short draft
+        length the same cost: at batch 2, γ=2 and γ=3 both cost "one plain step" and the policy ran γ=3 at 1.68x
+        plain where γ=2 ran at 1.98x. Capped, the choice between draft lengths reads their costs as measured."""
         t = self.target_step.get(batch) or self.t_ar(batch)
         return min([t, *(x for k, x in self.verify_step.get(batch, {}).items() if k > 1)])
 
