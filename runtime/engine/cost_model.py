@@ -254,7 +254,7 @@ class CostModel:
 
     def round_seconds(self, method: str, gamma: int, batch: int) -> float:
         """`round_cost` in seconds. Once a step has run this option at this batch size its costs are entries of the
-        tables, and the ratio to t(b) reduces to reading them (the policy asks twice a step)."""
+        tables, and the ratio to `plain_step(b)` reduces to reading them (the policy asks twice a step)."""
         draft = self.draft_round.get(method, {}).get(batch, {}).get(gamma)
         verify = self.verify_step.get(batch, {}).get(gamma + 1)
         if draft is not None and verify is not None:
