@@ -182,7 +182,7 @@ class CostModel:
         return _interp(self.target_step, batch)
 
     def v(self, batch: int, gamma: int) -> float:
-        """verify(γ+1 tokens) / plain step at this batch size (linear in tokens between measured k)."""
+        """verify(γ+1 tokens) / `plain_step` at this batch size (linear in tokens between measured k)."""
         return self.verify_ratios(batch, (gamma,))[gamma]
 
     def verify_ratios(self, batch: int, gammas: Iterable[int]) -> dict[int, float]:
