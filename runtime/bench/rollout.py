@@ -320,9 +320,27 @@ def spread(xs: Sequence[float | None]) -> list[float] | None:
 
 
 def paired(a: Sequence[RunResult], b: Sequence[RunResult]) -> dict[str, Any]:
-    """Median and [min, max] of the per-repeat ratio a/b of tokens/s."""
+    """Median, [min, max] and the geometric mean's interval (`ratio_interval`) of the per-repeat ratio a/b of
+    tokens/s."""
     ratios = [x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b) if y.tokens_per_s > 0]
-    return {"ratio": med(ratios), "spread": spread(ratios), "ratios": [round(r, 3) for r in ratios]}
+    return {"ratio": med(ratios), "spread": spread(ratios), "ratios": [round(r, 3) for r in ratios],
+            "interval": ratio_interval(ratios)}
+
+
+def ratio_interval(ratios: Sequence[float], level: float = 0.9) -> dict[str, Any] | None:
+    """The geometric mean of paired per-repeat ratios and its `level` confidence interval (Student's t on the
+    logs: a ratio's noise is multiplicative). Why beside the median: on a shared machine one configuration's
+    repeats spread by up to 60%, and whether a median below a target is a miss or noise is what the interval says;
+    None with fewer than two ratios."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if len(logs) < 2:
+        return None
+    from scipy.stats import t
+
+    mean = statistics.fmean(logs)
+    half = t.ppf(0.5 + level / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"geomean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3),
+            "high": round(math.exp(mean + half), 3), "level": level}
 
 
 # batch-size buckets of the common token mix (`mix_rates`): powers of two, the last one up to the step batch
@@ -849,6 +867,8 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
                      "adaptive_vs_best": ad_cps / best_cps if best_cps else None,
                      "adaptive_vs_best_per_repeat": [round(a / f, 3) for a, f in zip(cpu["adaptive"], cpu[best])
                                                      if f],
+                     "adaptive_vs_best_interval": ratio_interval([a / f for a, f in zip(cpu["adaptive"], cpu[best])
+                                                                  if f]),
                      **held_out_best(cpu, list(fixed)),
                      "best_fixed_wall": best_wall,
                      "adaptive_vs_best_wall": ad_tps / best_tps if best_tps else None,
@@ -1182,7 +1202,8 @@ def main(args: argparse.Namespace) -> int:
     for row in result["sweep"]:
         out.print(f"sweep b={row['batch_size']}: best fixed {row['best_fixed']} "
                   f"{row['tokens_per_cpu_s'][row['best_fixed']]:.1f} tok/CPU-s, adaptive "
-                  f"{(row['tokens_per_cpu_s']['adaptive'] or 0):.1f} ({(row['adaptive_vs_best'] or 0):.2f}×; "
+                  f"{(row['tokens_per_cpu_s']['adaptive'] or 0):.1f} ({(row['adaptive_vs_best'] or 0):.2f}×"
+                  f"{_interval_text(row['adaptive_vs_best_interval'])}; "
                   f"vs the best of the other repeats {(row['adaptive_vs_held_out_best'] or 0):.2f}×; "
                   f"wall {(row['adaptive_vs_best_wall'] or 0):.2f}×; ran "
                   f"{', '.join(f'{k} x{n}' for k, n in list(row['adaptive_ran'].items())[:3])})")
@@ -1213,6 +1234,13 @@ def bench_threads() -> int:
     if n < 1:
         raise SystemExit(f"specrl bench rollout: SPECRL_BENCH_THREADS must be >= 1, got {n}")
     return n
+
+
+def _interval_text(interval: dict[str, Any] | None) -> str:
+    if interval is None:
+        return ""
+    return (f", per-repeat geomean {interval['geomean']:.2f} [{interval['low']:.2f}, {interval['high']:.2f}] "
+            f"at {interval['level']:.0%}")
 
 
 def _load_average() -> list[float] | None:

@@ -30,6 +30,10 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   chose it at 0.8x the draft model's rate;
 * **margin**: a proposer runs only where it is predicted `margin` faster than plain decoding (its speed is an
   estimate, plain decoding's a measurement: in a near-tie the error is larger than the gain);
+* **length ties**: a proposer drafts the shortest γ predicted within `length_tie` of its best. The benchmark's draft
+  model at batch 1 is predicted within 1% at γ = 4..7 (a flat optimum; the policy ran γ=7 in one benchmark run
+  and γ=5 in the next); a longer draft depends on more acceptance probabilities at once, so an overestimated α costs it
+  more than an underestimated one gains it (`CostModel.best_gamma`);
 * **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice
   by `hysteresis` (a proposer with its own KV cache pays a catch-up on every token it missed when it is switched
   back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
@@ -152,6 +156,9 @@ class AdaptiveSettings:
     # decoding's a measurement, and in a near-tie the estimate's error is larger than the gain (batch 16 on an AVX512
     # machine: draft_model γ=1 predicted 1.009x plain, ran at 0.95x).
     margin: float = 0.02
+    # The shortest draft length predicted within this share of the best one runs (`CostModel.best_gamma`: near a
+    # flat optimum a longer draft has more to lose from an overestimated acceptance than to gain)
+    length_tie: float = 0.02
     probe: float = 0.01  # share of steps that refresh the stalest option (spec.speculative.adaptive.epsilon)
     probe_run: int = 4  # steps in a row per probe (one round says little about acceptance at batch 1)
     probe_max_batch: int = 16  # no probes above this active batch size (see the module docstring)
@@ -189,6 +196,8 @@ class AdaptiveSettings:
         if self.hysteresis < 0 or self.margin < 0 or not 0 <= self.probe <= 1 or not 0 <= self.probe_optimism <= 1:
             raise ValueError(f"hysteresis and margin must be >= 0, probe and probe_optimism in [0, 1], got "
                              f"{self.hysteresis}, {self.margin}, {self.probe}, {self.probe_optimism}")
+        if not 0 <= self.length_tie < 1:
+            raise ValueError(f"length_tie must be in [0, 1), got {self.length_tie}")
         if self.warm_max_draft_cost < 0:
             raise ValueError(f"warm_max_draft_cost must be >= 0, got {self.warm_max_draft_cost}")
         if not self.alpha_memory > 0 or not self.shape_memory > 0 or not self.stop_memory > 0:
@@ -278,7 +287,8 @@ class AdaptiveController:
             verify = self._costs.verify_ratios(batch, gammas)
             for m in self.methods:
                 if self._costs.knows(m):
-                    g, s = self._costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify)
+                    g, s = self._costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify,
+                                                   self.settings.length_tie)
                     out[m] = (s, Decision(m, g))
         self._tables[key] = (self.steps, out)
         return out

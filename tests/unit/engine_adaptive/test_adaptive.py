@@ -457,6 +457,34 @@ def test_a_stale_plain_step_leaves_each_draft_length_its_own_cost() -> None:
     assert best == [2, 2]
 
 
+def test_the_shortest_draft_length_within_a_tie_runs() -> None:
+    # The bench's draft model at batch 1 (calibration of the eleventh session's L1): verifying 5..8 tokens costs
+    # 1.11..1.48 plain steps and at α = 0.88 γ = 4..7 are predicted within 1.5% of each other; the plain argmax
+    # takes γ=5. The tie takes the shortest of them: where acceptance was overestimated it keeps most of the
+    # speed (at 0.80 the longest runs 9% slower than γ=4), where underestimated it gives up little (5% at 0.92).
+    t = 2.9e-3
+    v = {5: 1.114, 6: 1.235, 7: 1.357, 8: 1.478}
+    model = CostModel(target_step={1: t}, verify_step={1: {1: t} | {k: x * t for k, x in v.items()}},
+                      draft_round={"draft_model": {1: {g: (0.034 * g + 0.038) * t for g in range(4, 8)}}})
+    gammas = range(4, 8)
+    speeds = {g: model.speedup("draft_model", g, 1, 0.88) for g in gammas}
+    assert max(speeds.values()) / min(speeds.values()) < 1.02
+    assert model.best_gamma("draft_model", 1, 0.88, gammas)[0] == 5
+    g, s = model.best_gamma("draft_model", 1, 0.88, gammas, tie=0.02)
+    assert (g, s) == (4, pytest.approx(speeds[4]))
+    assert model.speedup("draft_model", 7, 1, 0.80) < 0.92 * model.speedup("draft_model", 4, 1, 0.80)
+    assert model.speedup("draft_model", 7, 1, 0.92) < 1.06 * model.speedup("draft_model", 4, 1, 0.92)
+    # a clear optimum is not moved: at α = 0.5 every longer draft is more than 2% slower
+    assert model.best_gamma("draft_model", 1, 0.5, gammas, tie=0.02) == model.best_gamma("draft_model", 1, 0.5, gammas)
+    # the policy drafts the tie's γ (its setting, `length_tie`), and with no tie the argmax
+    for tie, want in ((0.02, 4), (0.0, 5)):
+        ctrl = AdaptiveController(["draft_model"], cost_model=model, alpha_priors={"draft_model": 0.88},
+                                  settings=AdaptiveSettings(min_gamma=4, max_gamma=7, probe=0.0, length_tie=tie))
+        assert ctrl.table(1)["draft_model"][1] == Decision("draft_model", want)
+    with pytest.raises(ValueError, match="length_tie"):
+        AdaptiveSettings(length_tie=1.0)
+
+
 def test_cpu_clock_restamps_step_seconds() -> None:
     clock = StepClock("cpu")
     clock.start()
@@ -651,7 +679,8 @@ def test_stop_hazard_shortens_drafts_of_a_drafter_that_agrees_past_the_end() -> 
     keep = 1 - ctrl.stop_hazard(1)
     continuing = ctrl.continuing("draft_model", 1)
     assert continuing == pytest.approx([p * keep for p in ctrl.acceptance("draft_model")])  # type: ignore[union-attr]
-    assert short[0] == pytest.approx(ctrl.costs.best_gamma("draft_model", 1, continuing, ctrl.settings.gammas())[1])
+    assert short[0] == pytest.approx(ctrl.costs.best_gamma("draft_model", 1, continuing, ctrl.settings.gammas(),
+                                                           tie=ctrl.settings.length_tie)[1])
     assert ctrl.stats()["stop_hazard_by_batch_size"] == {1: round(ctrl.stop_hazard(1), 4)}
 
 

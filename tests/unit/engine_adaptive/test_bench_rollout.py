@@ -46,6 +46,7 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     for row in r["sweep"]:
         assert row["best_fixed"] in row["tokens_per_s"] and row["adaptive_vs_best"] > 0
         assert set(row["tokens_per_s_spread"]) == set(row["tokens_per_s"]) and row["adaptive_vs_best_per_repeat"]
+        assert row["adaptive_vs_best_interval"] is None  # one repeat: no interval (`ratio_interval`)
         # what the policy ran at exactly this batch size in the sweep: options the engine has
         assert row["adaptive_ran"] and all(k == "ar" or k.split(":")[0] in r["proposers"]["available"]
                                            for k in row["adaptive_ran"])
@@ -164,3 +165,22 @@ def test_rollout_steps_admit_prompts_together_and_shrink() -> None:
     served = run_engine(engine, FixedController(None), prompts, params)
     assert max(s.batch_size for s in engine.stats.steps) == 12
     assert served.lengths == stepped.lengths  # same seeds, same texts: only the shape differs
+
+
+def test_ratio_interval_covers_the_true_ratio_at_its_level() -> None:
+    # Six paired repeats with multiplicative noise of 12% (this machine's spread): the 90% interval of the
+    # geometric mean holds the true ratio in about 90% of benchmarks, and a single ratio has no interval.
+    import random
+
+    from specrl.runtime.bench.rollout import ratio_interval
+
+    rng = random.Random(5)
+    hits = 0
+    for _ in range(2000):
+        ci = ratio_interval([0.95 * math.exp(rng.gauss(0, 0.12)) for _ in range(6)])
+        assert ci is not None and ci["low"] < ci["geomean"] < ci["high"]
+        hits += ci["low"] <= 0.95 <= ci["high"]
+    assert 0.87 < hits / 2000 < 0.93
+    exact = ratio_interval([1.1, 1.1, 1.1])
+    assert exact == {"geomean": 1.1, "low": 1.1, "high": 1.1, "level": 0.9}
+    assert ratio_interval([1.2]) is None and ratio_interval([]) is None
