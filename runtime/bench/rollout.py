@@ -697,7 +697,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         ratios = [x[a] / x[b] for x in per_repeat if x[a] and x[b]]
         ra, rb = pooled["tokens_per_cpu_s"][a], pooled["tokens_per_cpu_s"][b]
         return {"ratio": ra / rb if ra and rb else None, "ratios": [round(r, 3) for r in ratios],
-                "spread": spread(ratios)}
+                "spread": spread(ratios), "interval": ratio_interval(ratios)}
 
     common_mix = {**pooled, "best_fixed": mix_best, "adaptive_vs_ar": mix_ratio("adaptive", "ar"),
                   "adaptive_vs_best_fixed": mix_ratio("adaptive", mix_best)}
