@@ -22,12 +22,14 @@ and the engine keeps its ATen/oneDNN path. The kernels are exercised against tha
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -648,6 +650,33 @@ def buildable() -> bool:
     return _cpu_has_avx512_bf16() and toolchain()
 
 
+def build_folder(name: str) -> Path:
+    """Where extension `name` is built and cached (SPECRL_KERNEL_CACHE, default ~/.cache/specrl/kernels).
+
+    -march=native code: one folder per instruction-set flags, so a home folder shared between different CPUs never
+    loads a binary compiled for another one; and one per extension: both write main.cpp, and in a shared folder
+    each load of the other one recompiled it (30 s)."""
+    root = Path(os.environ.get("SPECRL_KERNEL_CACHE", Path.home() / ".cache" / "specrl" / "kernels"))
+    return root / hashlib.sha256(cpu_flags().encode()).hexdigest()[:12] / name
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """Hold the build folder against other processes while torch builds or loads in it.
+
+    torch's own guard is a file it creates and deletes: a process killed mid-build (Ctrl-C during the first
+    `specrl run`) leaves it behind, and every later process waits for it forever, silently. An advisory lock is
+    released by the OS when its process dies; while it is held no other process is building here, so a torch lock
+    file found then is such a leftover and goes."""
+    with open(build / "specrl.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def build_once(name: str, source: str, supported: Callable[[], bool]) -> Any:
     """Extension `name` compiled from `source` (once per process; cached on disk per machine), or None where the CPU
     lacks what `supported` checks, SPECRL_CPU_KERNELS=0, or the build fails (then the engine runs ATen)."""
@@ -659,14 +688,12 @@ def build_once(name: str, source: str, supported: Callable[[], bool]) -> Any:
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                # -march=native code: one build folder per instruction-set flags, so a home folder shared between
-                # different CPUs never loads a binary compiled for another one
-                cpu = hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]
-                root = Path(os.environ.get("SPECRL_KERNEL_CACHE", Path.home() / ".cache" / "specrl" / "kernels"))
-                build = root / cpu
+                build = build_folder(name)
                 build.mkdir(parents=True, exist_ok=True)
-                module = load_inline(name, cpp_sources=source, functions=None, extra_cflags=["-O3", "-march=native"],
-                                     build_directory=str(build), verbose=False)
+                with _build_lock(build):
+                    module = load_inline(name, cpp_sources=source, functions=None,
+                                         extra_cflags=["-O3", "-march=native"], build_directory=str(build),
+                                         verbose=False)
             except Exception as exc:  # noqa: BLE001 - no compiler / headers / ninja: the ATen path is the fallback
                 logging.getLogger(__name__).warning("CPU kernels %s not built (%s: %s); the engine uses ATen", name,
                                                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")

@@ -6,6 +6,11 @@ kernel drafts) still exact under greedy decoding and lossless in law."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -40,6 +45,22 @@ def test_kernels_build_wherever_the_cpu_and_toolchain_allow() -> None:
         assert cpu_kernels.available(), "AVX512-BF16, c++ and ninja are here, but the kernels did not build"
     if cpu_kernels_f32.buildable():
         assert cpu_kernels_f32.available(), "AVX2, FMA, c++ and ninja are here, but the float32 kernels did not build"
+
+
+@pytest.mark.slow
+@needs_f32_kernels
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch guards a build with a lock file it deletes at the end: a process killed mid-build (Ctrl-C during the
+    # first `specrl run`) left it behind, and every later process waited for it forever. The next one must build.
+    monkeypatch.setenv("SPECRL_KERNEL_CACHE", str(tmp_path))
+    build = cpu_kernels.build_folder("specrl_decode_kernels_f32")
+    build.mkdir(parents=True)
+    (build / "lock").touch()
+    code = "import sys; from specrl.runtime.engine import cpu_kernels_f32 as k; sys.exit(0 if k.load() else 3)"
+    proc = subprocess.run([sys.executable, "-c", code], check=False, env=dict(os.environ), timeout=300,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (build / "lock").exists() and any(build.glob("*.so"))
 
 
 @needs_f32_kernels
