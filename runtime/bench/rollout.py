@@ -858,6 +858,7 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
         best = max((n for n in fixed), key=lambda n: cps[n] or 0.0)
         best_wall = max((n for n in fixed), key=lambda n: tps[n] or 0.0)
         best_cps, best_tps, ad_cps, ad_tps = cps[best], tps[best_wall], cps["adaptive"] or 0.0, tps["adaptive"] or 0.0
+        per_repeat = [a / f for a, f in zip(cpu["adaptive"], cpu[best]) if f]
         rows.append({"batch_size": b, "prompts": size(b),
                      "tokens_at_batch": med([x.by_batch.get(b, [0.0])[0] for x in runs[b]["ar"]]),
                      "tokens_per_cpu_s": cps,
@@ -865,10 +866,8 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
                      "tokens_per_s": tps, "tokens_per_s_spread": {n: spread(v) for n, v in wall.items()},
                      "best_fixed": best,
                      "adaptive_vs_best": ad_cps / best_cps if best_cps else None,
-                     "adaptive_vs_best_per_repeat": [round(a / f, 3) for a, f in zip(cpu["adaptive"], cpu[best])
-                                                     if f],
-                     "adaptive_vs_best_interval": ratio_interval([a / f for a, f in zip(cpu["adaptive"], cpu[best])
-                                                                  if f]),
+                     "adaptive_vs_best_per_repeat": [round(r, 3) for r in per_repeat],
+                     "adaptive_vs_best_interval": ratio_interval(per_repeat),
                      **held_out_best(cpu, list(fixed)),
                      "best_fixed_wall": best_wall,
                      "adaptive_vs_best_wall": ad_tps / best_tps if best_tps else None,
