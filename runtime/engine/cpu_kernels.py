@@ -15,9 +15,9 @@ norms, rotary, SiLU, softmax) runs 16 lanes at a time with a vector exp (scalar 
 is computed exactly as it would be alone, so plain decoding, the verification of drafts and any batch composition
 give bit-identical logits for a sequence.
 
-Built lazily on first use with `torch.utils.cpp_extension.load_inline` (about 30 s, cached under
-~/.cache/specrl/kernels); where there is no compiler, no AVX512-BF16, or the build fails, `available()` is False
-and the engine keeps its ATen/oneDNN path. The kernels are exercised against that path in the engine tests.
+Built lazily on first use with `torch.utils.cpp_extension.load_inline` (about 30 s, cached under `kernels/` in
+specrl's cache, see `build_folder`); where there is no compiler, no AVX512-BF16, or the build fails, `available()`
+is False and the engine keeps its ATen/oneDNN path. The kernels are exercised against that path in the engine tests.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..paths import cache_dir
 
 # Blocks of 16 output columns per packed group (`pack_bf16`); the kernels' source gets the same number.
 GROUP = 4
@@ -651,13 +653,17 @@ def buildable() -> bool:
 
 
 def build_folder(name: str) -> Path:
-    """Where extension `name` is built and cached (SPECRL_KERNEL_CACHE, default ~/.cache/specrl/kernels).
+    """Where extension `name` is built and cached: SPECRL_KERNEL_CACHE, else `kernels/` in specrl's cache
+    (SPECRL_CACHE_DIR, default ~/.cache/specrl).
 
-    -march=native code: one folder per instruction-set flags, so a home folder shared between different CPUs never
-    loads a binary compiled for another one; and one per extension: both write main.cpp, and in a shared folder
-    each load of the other one recompiled it (30 s)."""
-    root = Path(os.environ.get("SPECRL_KERNEL_CACHE", Path.home() / ".cache" / "specrl" / "kernels"))
-    return root / hashlib.sha256(cpu_flags().encode()).hexdigest()[:12] / name
+    In specrl's cache because that is what a pod mounts from the model-cache volume: each pod's HOME is new, and a
+    pod compiling both extensions at every start spent 30 s a build on a Zen 4 and minutes on a slower Xeon beside
+    its peers doing the same. -march=native code: one folder per instruction-set flags, so a cache shared between
+    different CPUs (nodes of a cluster) never loads a binary compiled for another one; and one per extension: both
+    write main.cpp, and in a shared folder each load of the other one recompiled it (30 s)."""
+    root = os.environ.get("SPECRL_KERNEL_CACHE")
+    base = Path(root) if root else cache_dir("kernels", create=False)
+    return base / hashlib.sha256(cpu_flags().encode()).hexdigest()[:12] / name
 
 
 @contextlib.contextmanager

@@ -47,6 +47,20 @@ def test_kernels_build_wherever_the_cpu_and_toolchain_allow() -> None:
         assert cpu_kernels_f32.available(), "AVX2, FMA, c++ and ninja are here, but the float32 kernels did not build"
 
 
+def test_kernels_are_cached_with_specrl_s_cache_a_pod_mounts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a pod's HOME is new at every start; its SPECRL_CACHE_DIR is the model-cache volume the job's pods share
+    monkeypatch.delenv("SPECRL_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("SPECRL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    build = cpu_kernels.build_folder("specrl_decode_kernels")
+    assert build.parent.parent == tmp_path / "cache" / "kernels" and build.name == "specrl_decode_kernels"
+    assert not (tmp_path / "cache").exists()  # only a build creates it
+    other = cpu_kernels.build_folder("specrl_decode_kernels_f32")
+    assert other.parent == build.parent and other != build  # one folder per CPU flags, one per extension
+    monkeypatch.setenv("SPECRL_KERNEL_CACHE", str(tmp_path / "k"))
+    assert cpu_kernels.build_folder("specrl_decode_kernels").parent.parent == tmp_path / "k"
+
+
 @pytest.mark.slow
 @needs_f32_kernels
 def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
