@@ -656,9 +656,9 @@ def build_folder(name: str) -> Path:
     """Where extension `name` is built and cached: SPECRL_KERNEL_CACHE, else `kernels/` in specrl's cache
     (SPECRL_CACHE_DIR, default ~/.cache/specrl).
 
-    In specrl's cache because that is what a pod mounts from the model-cache volume: each pod's HOME is new, and a
-    pod compiling both extensions at every start spent 30 s a build on a Zen 4 and minutes on a slower Xeon beside
-    its peers doing the same. -march=native code: one folder per instruction-set flags, so a cache shared between
+    In specrl's cache because that is what a job's pods share (the model-cache volume): each pod's HOME is new, and
+    every pod compiled both extensions at every start (about 30 s each on a Zen 4, with its peers compiling beside
+    it). -march=native code: one folder per instruction-set flags, so a cache shared between
     different CPUs (nodes of a cluster) never loads a binary compiled for another one; and one per extension: both
     write main.cpp, and in a shared folder each load of the other one recompiled it (30 s)."""
     root = os.environ.get("SPECRL_KERNEL_CACHE")
