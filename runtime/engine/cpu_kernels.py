@@ -658,9 +658,9 @@ def build_folder(name: str) -> Path:
 
     In specrl's cache because that is what a job's pods share (the model-cache volume): each pod's HOME is new, and
     every pod compiled both extensions at every start (about 30 s each on a Zen 4, with its peers compiling beside
-    it). -march=native code: one folder per instruction-set flags, so a cache shared between
-    different CPUs (nodes of a cluster) never loads a binary compiled for another one; and one per extension: both
-    write main.cpp, and in a shared folder each load of the other one recompiled it (30 s)."""
+    it). -march=native code: one folder per instruction-set flags, so a cache shared between different CPUs (nodes
+    of a cluster) never loads a binary compiled for another one; and one per extension: both write main.cpp, and in
+    a shared folder each load of the other one recompiled it (30 s)."""
     root = os.environ.get("SPECRL_KERNEL_CACHE")
     base = Path(root) if root else cache_dir("kernels", create=False)
     return base / hashlib.sha256(cpu_flags().encode()).hexdigest()[:12] / name
