@@ -657,7 +657,7 @@ def build_folder(name: str) -> Path:
     (SPECRL_CACHE_DIR, default ~/.cache/specrl).
 
     In specrl's cache because that is what a job's pods share (the model-cache volume): each pod's HOME is new, and
-    every pod compiled both extensions at every start (about 30 s each on a Zen 4, with its peers compiling beside
+    every pod compiled its kernels at every start (about 30 s an extension on a Zen 4, with its peers compiling beside
     it). -march=native code: one folder per instruction-set flags, so a cache shared between different CPUs (nodes
     of a cluster) never loads a binary compiled for another one; and one per extension: both write main.cpp, and in
     a shared folder each load of the other one recompiled it (30 s)."""
