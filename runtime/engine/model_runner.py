@@ -340,6 +340,10 @@ class TransformerRunner:
     # 0.46 / 0.94 / 1.49 ms.
     FUSED_ROWS = 64
     FUSED_ROWS_F32 = 128  # the float32 kernel's matmul is faster than oneDNN's up to 112 rows at least (see `Dense`)
+    # With AMX tiles (`cpu_kernels.use_amx`) the fused stack's matmuls stay at memory speed to 16 rows and beat the
+    # per-op path at every size measured: bench model, one thread, ms at batch x tokens 4x5 / 8x5 / 16x5 / 16x9:
+    # 10.1 / 15.4 / 26.4 / 40.5 where the per-op path (oneDNN, which uses AMX too) took 15.0 / 24.8 / 34.0 / 61.8.
+    FUSED_ROWS_AMX = 144
     _fused: tuple[list, ...] | None = None  # decode_layers' weights (set by refresh where the kernels run)
     _kernels: Any = None  # cpu_kernels (bfloat16) or cpu_kernels_f32 (float32): the module `_fused` is for
     _fused_rows = FUSED_ROWS
@@ -444,7 +448,8 @@ class TransformerRunner:
         if not self.layers or self.head_dim > 512 or self.head_dim % 2 or kernels is None or kernels.load() is None:
             return None
         self._kernels = kernels.load()
-        self._fused_rows = self.FUSED_ROWS_F32 if self.dtype == torch.float32 else self.FUSED_ROWS
+        self._fused_rows = (self.FUSED_ROWS_F32 if self.dtype == torch.float32
+                            else self.FUSED_ROWS_AMX if cpu_kernels.amx() else self.FUSED_ROWS)
 
         def fused(m: Callable[[torch.Tensor], torch.Tensor]) -> bool:
             return isinstance(m, (Dense, Int4Dense)) and m.kernels is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -119,9 +120,40 @@ def _fused_runner(kind: str, seed: int, dtype: torch.dtype) -> TransformerRunner
     return runner
 
 
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def matmul_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both ways the bfloat16 kernels multiply: `vdpbf16ps` tiles everywhere, AMX tiles where the CPU has them."""
+    if not cpu_kernels.available():
+        if request.param == "amx":
+            pytest.skip("no AVX512-BF16 or no C++ compiler here: the engine runs its ATen path")
+        yield request.param
+        return
+    before = cpu_kernels.amx()
+    if cpu_kernels.use_amx(request.param == "amx") != (request.param == "amx"):
+        cpu_kernels.use_amx(before)
+        pytest.skip("no AMX here (CPU, compiler or OS)")
+    yield request.param
+    cpu_kernels.use_amx(before)
+
+
+def test_amx_is_used_where_the_cpu_has_it() -> None:
+    if not cpu_kernels.available():
+        pytest.skip("no AVX512-BF16 or no C++ compiler here")
+    before = cpu_kernels.amx()
+    try:
+        assert cpu_kernels.use_amx(False) is False and not cpu_kernels.amx()
+        on = cpu_kernels.use_amx(True)
+        assert on == cpu_kernels.amx()
+        if "amx_bf16" in cpu_kernels.cpu_flags().split() and os.environ.get("SPECRL_AMX", "1") != "0":
+            # a kernel could refuse the tile state; on the Linux machines we run on it grants it
+            assert on, "the CPU has AMX but the kernels do not use it"
+    finally:
+        cpu_kernels.use_amx(before)
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 5, 19])
-def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 5, 19, 40])
+def test_linear_bf16_is_the_rounded_float32_product(rows: int, matmul_path: str) -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(200, 96, generator=g).to(torch.bfloat16)
     b = torch.randn(200, generator=g).to(torch.bfloat16)
@@ -133,15 +165,15 @@ def test_linear_bf16_is_the_rounded_float32_product(rows: int) -> None:
 
 
 @needs_kernels
-def test_linear_bf16_rows_do_not_depend_on_the_batch() -> None:
-    # rows go in chunks of up to 6 against tiles of a group of 4 column blocks, the narrower last group a block at a
-    # time (70 columns: a group and a partial block): every row must round as it does alone
+def test_linear_bf16_rows_do_not_depend_on_the_batch(matmul_path: str) -> None:
+    # rows go in chunks of up to 6 (AMX: 16, padded) against tiles of a group of 4 column blocks, the narrower last
+    # group a block at a time (70 columns: a group and a partial block): every row must round as it does alone
     g = torch.Generator().manual_seed(5)
     w = cpu_kernels.pack_bf16(torch.randn(70, 128, generator=g).to(torch.bfloat16))
-    x = torch.randn(21, 128, generator=g).to(torch.bfloat16)
+    x = torch.randn(37, 128, generator=g).to(torch.bfloat16)
     k = cpu_kernels.load()
-    alone = torch.cat([k.linear_bf16(x[i : i + 1], w, None, 70) for i in range(21)])
-    for rows in (2, 4, 5, 7, 8, 9, 16, 21):
+    alone = torch.cat([k.linear_bf16(x[i : i + 1], w, None, 70) for i in range(37)])
+    for rows in (2, 4, 5, 7, 8, 9, 16, 17, 21, 32, 37):
         assert torch.equal(k.linear_bf16(x[:rows], w, None, 70), alone[:rows]), rows
 
 
@@ -241,9 +273,11 @@ def test_fused_decode_step_matches_the_per_op_path(kind: str, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_batched_fused_forward_is_each_sequence_alone(dtype: torch.dtype) -> None:
+def test_batched_fused_forward_is_each_sequence_alone(dtype: torch.dtype, matmul_path: str) -> None:
     """B sequences at different lengths, S tokens each (a batched decode step or verification), in one fused call:
     logits and the K/V cache bit-identical to running each sequence by itself."""
+    if dtype == torch.float32 and matmul_path == "amx":
+        pytest.skip("AMX multiplies bfloat16 only")
     runner = _fused_runner("llama", 6, dtype)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (3, 9, 5, 12)]
