@@ -217,20 +217,24 @@ static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, in
 
 // ---- AMX (Sapphire Rapids and later Xeons) --------------------------------------------------------------------
 // `vdpbf16ps` tiles are bound by the core's dot-product throughput from ~4 rows: on a Xeon with AMX (one thread,
-// medians of 15), the bench model's 8 layers of matmuls took 6.7 / 10.2 / 18.1 / 30.9 ms for 1 / 8 / 16 / 32 rows,
+// medians of 15), the bench model's 8 layers of matmuls took 6.1 / 10.5 / 19.1 / 43.5 ms for 1 / 8 / 16 / 32 rows,
 // and verifications of a few drafted tokens for a few sequences are exactly such forwards. An AMX tile multiply
 // does 16 rows x 16 columns x 32 inputs in one instruction, and the packed weights are already its B operand (a
 // block's 16 columns for 16 input pairs are 16 rows of 64 bytes at the group's stride), so up to 16 rows stream
-// the weights once at memory speed: 6.6 / 6.7 / 7.0 / 8.5 ms (SmolLM2's 30 layers: 29 / 23 / 24 / 33 ms where
-// `vdpbf16ps` took 28 / 36 / 61 / 116). Used for every row count where it runs, one row included (bound by memory
-// there, as fast), so a row's result is the same sequence of tile products whatever the rows computed with it, and
-// plain steps and verifications stay bit-identical. Rows are padded to whole tiles of 16 (the padding's products
-// are never stored).
+// the weights once at memory speed: 5.8 / 7.1 / 7.8 / 12.2 ms (SmolLM2's 30 layers: 30.5 / 26.8 / 34.7 / 41.1 where
+// `vdpbf16ps` took 29.7 / 40.1 / 74.3 / 129.4). Used for every row count where it runs, one row included (bound
+// by memory there, as fast), so a row's result is the same sequence of tile products whatever the rows computed
+// with it, and plain steps and verifications stay bit-identical. Rows are padded to whole tiles of 16 (the padding's products
+// are never stored). The weights are prefetched AMX_AHEAD input steps ahead (each step a new 4 KB page of the
+// group's stream, and the hardware prefetchers stop at page boundaries): without it a one-row step of the bench model
+// took 13-14 ms instead of 6.5-7 in three processes of five (measured in turn, one thread), the same weights read at
+// a third of the speed depending on where they landed; with it 6.4-8.4 in five of five (`vdpbf16ps`: 6.7-7.7).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 
 static bool amx_on = false;
+constexpr int64_t AMX_AHEAD = 2;  // input steps of 32 (4 KB of a full group's weights each)
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -263,6 +267,11 @@ static void amx_tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_
   const bf16* xa = X + m0 * K;
   for (int64_t k = 0; k < K; k += 32) {
     const int64_t k2 = k / 2;
+    if (k + 32 * AMX_AHEAD < K)
+      for (int j = 0; j < NB; ++j) {
+        const char* ahead = reinterpret_cast<const char*>(wb[j] + (k2 + 16 * AMX_AHEAD) * stride[j]);
+        for (int r = 0; r < 16; ++r) _mm_prefetch(ahead + r * stride[j] * 2, _MM_HINT_T0);
+      }
     _tile_loadd(4, xa + k, K * 2);
     _tile_loadd(5, wb[0] + k2 * stride[0], stride[0] * 2);
     _tile_dpbf16ps(0, 4, 5);
@@ -282,11 +291,16 @@ static void amx_tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_
 static bool amx_matmul(const bf16* X, const bf16* Wp, float* Y, int64_t M, int64_t K, int64_t N) {
   if (!amx_on || K % 32) return false;
   const int64_t Mp = (M + 15) / 16 * 16;
-  std::vector<bf16> padded;
-  if (Mp != M) {  // whole tiles of rows: the padding is zeros
-    padded.assign(Mp * K, 0);
-    std::memcpy(padded.data(), X, M * K * sizeof(bf16));
-    X = padded.data();
+  // Whole tiles of rows (the padding is zeros), from a 64-byte boundary: tile loads of rows that straddle cache lines
+  // ran a one-row matmul of the bench model's MLP at a quarter of the speed (107 us against 29; malloc's 16-byte
+  // alignment made it depend on where the buffer landed, process by process).
+  if (Mp != M || reinterpret_cast<uintptr_t>(X) % 64) {
+    static thread_local std::vector<bf16> padded;
+    padded.resize(Mp * K + 32);
+    bf16* aligned = reinterpret_cast<bf16*>((reinterpret_cast<uintptr_t>(padded.data()) + 63) & ~uintptr_t(63));
+    std::memcpy(aligned, X, M * K * sizeof(bf16));
+    std::memset(aligned + M * K, 0, (Mp - M) * K * sizeof(bf16));
+    X = aligned;
   }
   const int64_t blocks = (N + 15) / 16;
   // Spans of 8 blocks as in `matmul`: all 16-row chunks over one span before the next, re-reading it from L2.
