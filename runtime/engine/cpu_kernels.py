@@ -224,8 +224,8 @@ static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, in
 // the weights once at memory speed: 5.8 / 7.1 / 7.8 / 12.2 ms (SmolLM2's 30 layers: 30.5 / 26.8 / 34.7 / 41.1 where
 // `vdpbf16ps` took 29.7 / 40.1 / 74.3 / 129.4). Used for every row count where it runs, one row included (bound
 // by memory there, as fast), so a row's result is the same sequence of tile products whatever the rows computed
-// with it, and plain steps and verifications stay bit-identical. Rows are padded to whole tiles of 16 (the padding's products
-// are never stored). The weights are prefetched AMX_AHEAD input steps ahead (each step a new 4 KB page of the
+// with it, and plain steps and verifications stay bit-identical. Rows are padded to whole tiles of 16 (the
+// padding's products are never stored). The weights are prefetched AMX_AHEAD input steps ahead (each step a new 4 KB page of the
 // group's stream, and the hardware prefetchers stop at page boundaries): without it a one-row step of the bench model
 // took 13-14 ms instead of 6.5-7 in three processes of five (measured in turn, one thread), the same weights read at
 // a third of the speed depending on where they landed; with it 6.4-8.4 in five of five (`vdpbf16ps`: 6.7-7.7).
