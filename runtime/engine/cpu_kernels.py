@@ -225,10 +225,11 @@ static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, in
 // `vdpbf16ps` took 29.7 / 40.1 / 74.3 / 129.4). Used for every row count where it runs, one row included (bound
 // by memory there, as fast), so a row's result is the same sequence of tile products whatever the rows computed
 // with it, and plain steps and verifications stay bit-identical. Rows are padded to whole tiles of 16 (the
-// padding's products are never stored). The weights are prefetched AMX_AHEAD input steps ahead (each step a new 4 KB page of the
-// group's stream, and the hardware prefetchers stop at page boundaries): without it a one-row step of the bench model
-// took 13-14 ms instead of 6.5-7 in three processes of five (measured in turn, one thread), the same weights read at
-// a third of the speed depending on where they landed; with it 6.4-8.4 in five of five (`vdpbf16ps`: 6.7-7.7).
+// padding's products are never stored). The weights are prefetched AMX_AHEAD input steps ahead (each step a new
+// 4 KB page of the group's stream, and the hardware prefetchers stop at page boundaries): without it a one-row step
+// of the bench model took 13-14 ms instead of 6.5-7 in three processes of five (measured in turn, one thread), the
+// same weights read at a third of the speed depending on where they landed; with it 6.4-8.4 in five of five
+// (`vdpbf16ps`: 6.7-7.7).
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -291,9 +292,9 @@ static void amx_tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_
 static bool amx_matmul(const bf16* X, const bf16* Wp, float* Y, int64_t M, int64_t K, int64_t N) {
   if (!amx_on || K % 32) return false;
   const int64_t Mp = (M + 15) / 16 * 16;
-  // Whole tiles of rows (the padding is zeros), from a 64-byte boundary: tile loads of rows that straddle cache lines
-  // ran a one-row matmul of the bench model's MLP at a quarter of the speed (107 us against 29; malloc's 16-byte
-  // alignment made it depend on where the buffer landed, process by process).
+  // Whole tiles of rows (the padding is zeros), from a 64-byte boundary so no tile row straddles two cache lines
+  // (the decode stack's activations live in std::vectors, which malloc aligns to 16 bytes only). One buffer per
+  // thread, reused: a decode step makes ~4 calls a layer.
   if (Mp != M || reinterpret_cast<uintptr_t>(X) % 64) {
     static thread_local std::vector<bf16> padded;
     padded.resize(Mp * K + 32);
