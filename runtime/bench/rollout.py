@@ -413,7 +413,7 @@ def machine_info(engine: RolloutEngine | None, load_start: list[float] | None) -
 
     return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "cpu": cpu, "cache": cache, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-            "native_bf16": native_bf16(), "amx": native_bf16() and cpu_kernels.amx(),
+            "native_bf16": native_bf16(), "amx": cpu_kernels.amx(),
             "engine_dtype": str(engine.runner.dtype) if engine is not None else None,
             "load_average_start": load_start, "load_average_end": _load_average()}
 

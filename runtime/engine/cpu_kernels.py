@@ -852,7 +852,8 @@ def use_amx(on: bool) -> bool:
 
 def amx() -> bool:
     """Whether the bfloat16 kernels multiply with AMX tiles in this process."""
-    return load() is not None and bool(_amx_active)
+    load()  # sets `_amx_active` on first load, from SPECRL_AMX
+    return bool(_amx_active)
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
