@@ -166,14 +166,15 @@ def test_linear_bf16_is_the_rounded_float32_product(rows: int, matmul_path: str)
 
 @needs_kernels
 def test_linear_bf16_rows_do_not_depend_on_the_batch(matmul_path: str) -> None:
-    # rows go in chunks of up to 6 (AMX: 16, padded) against tiles of a group of 4 column blocks, the narrower last
-    # group a block at a time (70 columns: a group and a partial block): every row must round as it does alone
+    # rows go in chunks of up to 6 (AMX: pairs of 16-row tiles, then one, padded) against tiles of a group of 4
+    # column blocks (AMX pairs: 2), the narrower last group a block at a time (70 columns: a group and a partial
+    # block): every row must round as it does alone
     g = torch.Generator().manual_seed(5)
     w = cpu_kernels.pack_bf16(torch.randn(70, 128, generator=g).to(torch.bfloat16))
-    x = torch.randn(37, 128, generator=g).to(torch.bfloat16)
+    x = torch.randn(83, 128, generator=g).to(torch.bfloat16)
     k = cpu_kernels.load()
-    alone = torch.cat([k.linear_bf16(x[i : i + 1], w, None, 70) for i in range(37)])
-    for rows in (2, 4, 5, 7, 8, 9, 16, 17, 21, 32, 37):
+    alone = torch.cat([k.linear_bf16(x[i : i + 1], w, None, 70) for i in range(83)])
+    for rows in (2, 4, 5, 7, 8, 9, 16, 17, 21, 32, 37, 48, 64, 83):
         assert torch.equal(k.linear_bf16(x[:rows], w, None, 70), alone[:rows]), rows
 
 
@@ -281,7 +282,7 @@ def test_batched_fused_forward_is_each_sequence_alone(dtype: torch.dtype, matmul
     runner = _fused_runner("llama", 6, dtype)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (3, 9, 5, 12)]
-    for s in (1, 4):
+    for s in (1, 4, 9):  # 4, 16 and 36 rows: on AMX one tile of rows, one, and a pair of tiles and one more
         new = torch.randint(1, VOCAB, (len(prompts), s), generator=g)
         starts = [p.shape[1] for p in prompts]
         with torch.inference_mode():
