@@ -193,6 +193,10 @@ static inline void add_bias(float* Y, const bf16* bias, int64_t M, int64_t N) {
 // (128 columns, two groups): all row chunks of 6 run over one span before the next, so with many rows a span's
 // weights are re-read from L2, not memory, and up to 6 rows read them once.
 // `tiled`: X is 64-byte aligned and readable up to a whole tile of 16 rows (`TileRows`), so AMX reads it in place.
+// On AMX, rows go in pairs of 16-row tiles (`amx_tile2`), then one tile (`amx_tile`); full C tiles are stored in
+// place. Against one tile at a time through a buffer, the bench model's forward over 16 sequences x 5 / 9 tokens
+// took 17.7-18.1 / 26.6-28.2 ms instead of 20.5-21.9 / 33.5-35.5 (minimum of 30 each, processes of the two versions
+// alternating, 4 and 3, one thread); one row and 16 x 1 token as before (5.6-6.3 ms both; 8.0-8.6 and 8.1-9.1).
 static bool amx_matmul(const bf16* X, const bf16* Wp, float* Y, int64_t M, int64_t K, int64_t N, bool tiled);
 
 static void matmul(const bf16* X, const bf16* Wp, const bf16* bias, float* Y, int64_t M, int64_t K, int64_t N,
@@ -254,9 +258,11 @@ static bool set_amx(bool on) {
   return amx_on;
 }
 
-// Prefetch the weights AMX_AHEAD input steps ahead of step k (see above).
+// Prefetch the weights AMX_AHEAD input steps ahead of step k (see above). Forced inline: GCC kept it a call, and
+// one-row steps of the bench model then took 12-15 ms instead of 8-9 in two processes of three.
 template <int NB>
-static inline void amx_prefetch(const bf16* const* wb, const int64_t* stride, int64_t k, int64_t K) {
+__attribute__((always_inline)) static inline void amx_prefetch(const bf16* const* wb, const int64_t* stride,
+                                                               int64_t k, int64_t K) {
   if (k + 32 * AMX_AHEAD >= K) return;
   for (int j = 0; j < NB; ++j) {
     const char* ahead = reinterpret_cast<const char*>(wb[j] + (k / 2 + 16 * AMX_AHEAD) * stride[j]);
@@ -266,16 +272,16 @@ static inline void amx_prefetch(const bf16* const* wb, const int64_t* stride, in
 
 // C tile `T` (rows m0.., columns n0..n0+15) into Y: straight into place when all 16 rows and columns are real, else
 // through `buf` (row stride `ld` floats), copying only the real ones.
-#define AMX_STORE(T, m0, n0, M, N, Y, buf, ld)                                                               \
-  do {                                                                                                             \
-    if ((m0) + 16 <= (M) && (n0) + 16 <= (N)) {                                                                    \
-      _tile_stored(T, (Y) + (m0) * (N) + (n0), (N) * 4);                                                           \
-    } else if ((m0) < (M) && (n0) < (N)) {                                                                         \
-      _tile_stored(T, buf, (ld) * 4);                                                                              \
-      for (int64_t r_ = 0; r_ < std::min<int64_t>(16, (M) - (m0)); ++r_)                                           \
-        std::memcpy((Y) + ((m0) + r_) * (N) + (n0), (buf) + r_ * (ld),                                             \
-                    std::min<int64_t>(16, (N) - (n0)) * sizeof(float));                                            \
-    }                                                                                                              \
+#define AMX_STORE(T, m0, n0, M, N, Y, buf, ld)                                                                       \
+  do {                                                                                                               \
+    if ((m0) + 16 <= (M) && (n0) + 16 <= (N)) {                                                                      \
+      _tile_stored(T, (Y) + (m0) * (N) + (n0), (N) * 4);                                                             \
+    } else if ((m0) < (M) && (n0) < (N)) {                                                                           \
+      _tile_stored(T, buf, (ld) * 4);                                                                                \
+      for (int64_t r_ = 0; r_ < std::min<int64_t>(16, (M) - (m0)); ++r_)                                             \
+        std::memcpy((Y) + ((m0) + r_) * (N) + (n0), (buf) + r_ * (ld),                                               \
+                    std::min<int64_t>(16, (N) - (n0)) * sizeof(float));                                              \
+    }                                                                                                                \
   } while (0)
 
 // Rows m0..m0+15 of X (K inputs, whole 32s) x the NB blocks of one group from block j0: C tiles 0..NB-1, A tile 4, B
@@ -311,8 +317,7 @@ static void amx_tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_
 
 // Rows m0..m0+31 (A tiles 4 and 5) x NB <= 2 blocks from j0 (B tiles 6 and 7): C tiles 0 and 1 for the first 16
 // rows, 2 and 3 for the next. Every tile loaded feeds two products, where `amx_tile` loads a weight tile for each
-// one: the bench model's forward over 16 sequences x 5 tokens took 17.7 ms instead of 20.3 (minimum of 40, one
-// thread). Each row's product is the same sequence of tile products as in `amx_tile`, so its bits are too.
+// one. Each row's product is the same sequence of tile products as in `amx_tile`, so its bits are too.
 template <int NB>
 static void amx_tile2(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t M, int64_t j0, int64_t K,
                       int64_t N, float* buf) {
@@ -595,7 +600,7 @@ struct TileRows {
 static void apply(const Weight& W, bf16* x, float* y, int64_t M, int64_t K, int64_t N) {  // x: `TileRows`
   TORCH_CHECK(!W.sz, "decode_layers: bf16 kernels take 4-bit weights as `pack_q4` packs them, without scales apart");
   if (W.w.scalar_type() != torch::kUInt8) {
-    matmul(x, P(W.w), W.bias ? P(*W.bias) : nullptr, y, M, K, N, true);
+    matmul(x, P(W.w), W.bias ? P(*W.bias) : nullptr, y, M, K, N, false);
   } else {
     XQ xq; quantize_x(x, M, K, xq);
     matmul_q4(xq, M, W.w.data_ptr<uint8_t>(), W.bias ? P(*W.bias) : nullptr, y, K, N);
