@@ -55,7 +55,13 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   with an acceptance `probe_optimism` above its estimate. Options never measured at all and without a calibration
   are probed first. Probes run only at batch sizes up to `probe_max_batch`: the long tail is where speculation can
   pay, and a probe burst at a full step batch (384 rows in tiny-local) verifies γ+1 tokens per row for ~1.3
-  accepted, at the batch where a step costs most.
+  accepted, at the batch where a step costs most;
+* **neighbours**: at the same batch sizes, every `neighbour` steps the running proposer drafts one token more or
+  one less (in turn) than the argmax's γ. How fast a shared machine runs drifts by tens of percent within a
+  minute, and the estimates' low quantiles favour whichever length was timed in a fast minute: a length timed only
+  in a slow one was never run again (on the benchmark at batch 16, slow first timings priced γ=4 at 0.73x γ=3,
+  and γ=3 ran every step of whole rollouts, 0.93x fixed γ=4). A neighbour step keeps the lengths around the argmax
+  timed in the same minutes, for the small gap between two neighbouring lengths one step in `neighbour`.
 
 **What a step costs the policy.** Inside the decode loop the weight streams keep the interpreter's code and data
 cold: estimating at every step cost 130–165 µs of Python a step (3% of a speculative step at batch 2).
@@ -163,6 +169,7 @@ class AdaptiveSettings:
     probe_run: int = 4  # steps in a row per probe (one round says little about acceptance at batch 1)
     probe_max_batch: int = 16  # no probes above this active batch size (see the module docstring)
     probe_optimism: float = 0.25  # a proposer is probed only if this much more acceptance would make it the best
+    neighbour: int = 16  # steps between runs of the draft length next to the argmax's (`_neighbour`; 0: never)
     window: int = 32  # timing samples kept per (quantity, batch size)
     # plain rechecks (module docstring): the steps a plain sample stays current, the fewest steps between two
     # rechecks at one batch size, and the share of time they may cost (a recheck where speculation is predicted
@@ -206,6 +213,8 @@ class AdaptiveSettings:
         if self.horizon < 1 or self.recheck < 1 or not self.recheck_cost > 0:
             raise ValueError(f"horizon and recheck must be >= 1 and recheck_cost > 0, got {self.horizon}, "
                              f"{self.recheck}, {self.recheck_cost}")
+        if self.neighbour < 0:
+            raise ValueError(f"neighbour must be >= 0, got {self.neighbour}")
         if self.window < 1 or self.refresh < 1 or self.probe_run < 1 or self.probe_max_batch < 1:
             raise ValueError(f"window, refresh, probe_run and probe_max_batch must be >= 1, got {self.window}, "
                              f"{self.refresh}, {self.probe_run}, {self.probe_max_batch}")
@@ -254,7 +263,7 @@ class AdaptiveController:
         self._last_method: str | None = None
         self._clock = StepClock(s.clock)
         self.current = AR
-        self.steps = self.sd_steps = self.probes = 0
+        self.steps = self.sd_steps = self.probes = self.neighbours = 0
         self._counts: dict[int, Counter[str]] = {}
 
     @property
@@ -346,6 +355,17 @@ class AdaptiveController:
         self._probing = (option, s.probe_run - 1) if s.probe_run > 1 else None
         return option
 
+    def _neighbour(self) -> Decision | None:
+        """Every `neighbour` steps, the running proposer at the draft length next to the argmax's, longer and
+        shorter in turn (see "neighbours" in the module docstring), or None."""
+        s, current = self.settings, self.current
+        if not s.neighbour or not s.draft_length or not is_speculative(current) or self.steps % s.neighbour:
+            return None
+        first, second = (current.gamma + 1, current.gamma - 1) if self.steps // s.neighbour % 2 \
+            else (current.gamma - 1, current.gamma + 1)
+        gamma = first if s.min_gamma <= first <= s.max_gamma else second
+        return Decision(current.method, gamma) if s.min_gamma <= gamma <= s.max_gamma else None
+
     def _could_win(self, option: str | None, batch: int, options: Mapping[str | None, tuple[float, Decision]]
                    ) -> bool:
         """Whether a probe of `option` could change the choice: a proposer must beat the best option's predicted
@@ -374,25 +394,29 @@ class AdaptiveController:
             return held.decision
         if self._pending:
             self._fold()
-        probe = None
+        probe = neighbour = None
         if not self.methods or active_batch_size < 1:
             decision = AR
         elif not s.adaptive:
             decision = Decision(self.methods[0], s.gamma)
         else:
             probe = self._probe(active_batch_size)
-            decision = probe or self.choose(active_batch_size)
-            if probe is None and self._plain_is_stale(active_batch_size, decision):
+            if probe is None and active_batch_size <= s.probe_max_batch:
+                neighbour = self._neighbour()
+            decision = probe or neighbour or self.choose(active_batch_size)
+            if probe is None and neighbour is None and self._plain_is_stale(active_batch_size, decision):
                 self.current, probe, decision = decision, AR, AR
-        if probe is None:
+        exploring = probe is not None or neighbour is not None
+        if not exploring:
             self.current = decision
         self.probes += probe is not None
+        self.neighbours += neighbour is not None
         self.sd_steps += is_speculative(decision)
         counts = self._counts.get(active_batch_size)
         if counts is None:  # not setdefault: it would build a Counter at every step
             counts = self._counts[active_batch_size] = Counter()
         counts[label(decision)] += 1
-        self._held = self._hold(active_batch_size, decision, counts) if probe is None and s.adaptive else None
+        self._held = self._hold(active_batch_size, decision, counts) if not exploring and s.adaptive else None
         self._report(decision)
         self._clock.start()
         return decision
@@ -420,9 +444,11 @@ class AdaptiveController:
         if table is None or self._costs is None or self.steps <= 0:
             return None
         until = table[0] + self.settings.refresh
-        if batch <= self.settings.probe_max_batch and self.settings.probe > 0:
-            period = max(round(self.settings.probe_run / self.settings.probe), 1)
-            until = min(until, (self.steps // period + 1) * period)
+        if batch <= self.settings.probe_max_batch:
+            for period in (max(round(self.settings.probe_run / self.settings.probe), 1) if self.settings.probe > 0
+                           else 0, self.settings.neighbour):
+                if period:
+                    until = min(until, (self.steps // period + 1) * period)
         method = decision.method
         predicted = self._costs.round_seconds(method, decision.gamma, batch) \
             if method is not None and decision.gamma > 0 and self._costs.knows(method) else self._costs.t_ar(batch)
@@ -648,6 +674,7 @@ class AdaptiveController:
             "sd_share": self.sd_steps / self.steps if self.steps else 0.0,
             "steps": self.steps,
             "probe_steps": self.probes,
+            "neighbour_steps": self.neighbours,
             "decisions_by_batch_size": {b: dict(c) for b, c in sorted(self._counts.items())},
             "alpha": {m: round(a, 4) for m, a in self._alpha.items()},
             "stop_hazard_by_batch_size": {b: round(self.stop_hazard(b), 4) for b in sorted(self._stops)},
