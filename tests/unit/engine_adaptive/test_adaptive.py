@@ -23,7 +23,7 @@ from specrl.runtime.engine.adaptive import (
     round_alpha_from_record,
     settings_from_spec,
 )
-from specrl.runtime.engine.control import Decision, FixedController, StepClock, StepRecord
+from specrl.runtime.engine.control import Decision, FixedController, StepClock, StepRecord, retimed
 from specrl.runtime.engine.cost_model import round_lengths
 
 
@@ -719,8 +719,6 @@ def test_a_draft_length_timed_in_a_slow_minute_runs_again(seed: int) -> None:
     # the machine ran 1.6x slower, γ=3 in a normal one. Priced on those timings γ=3 wins the argmax, and nothing
     # else would ever time the others: the neighbouring lengths run one step in `neighbour`, and the policy
     # finds its way back. Without them (neighbour=0) γ=3 runs every step.
-    from specrl.runtime.engine.control import retimed
-
     def run(neighbour: int) -> tuple[AdaptiveController, Counter[str]]:
         machine = Machine({"draft_model": 0.85}, {"draft_model": 0.02}, c=0.012, seed=seed)
         ctrl = AdaptiveController(["draft_model"], cost_model=calibrated(machine, ["draft_model"]),
@@ -737,3 +735,5 @@ def test_a_draft_length_timed_in_a_slow_minute_runs_again(seed: int) -> None:
     assert ran["draft_model:4"] + ran["draft_model:5"] > 0.6 * 600, ran
     assert ctrl.stats()["neighbour_steps"] == pytest.approx(600 / 16, abs=1)
     assert run(0)[1] == {"draft_model:3": 600}
+    with pytest.raises(ValueError, match="neighbour"):
+        AdaptiveSettings(neighbour=-1)
