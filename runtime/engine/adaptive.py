@@ -223,6 +223,11 @@ class AdaptiveSettings:
     def adaptive(self) -> bool:
         return self.toggle or self.draft_length or self.strategy
 
+    @property
+    def probe_period(self) -> int:
+        """Steps between the starts of two probes (0: no probes)."""
+        return max(round(self.probe_run / self.probe), 1) if self.probe > 0 else 0
+
     def gammas(self) -> list[int]:
         return list(range(self.min_gamma, self.max_gamma + 1)) if self.draft_length else [self.gamma]
 
@@ -341,7 +346,7 @@ class AdaptiveController:
             option, left = self._probing
             self._probing = (option, left - 1) if left > 1 else None
             return option
-        if s.probe <= 0 or self.steps % max(round(s.probe_run / s.probe), 1):
+        if not s.probe_period or self.steps % s.probe_period:
             return None
         options = self.table(batch)
         current = self.current.method if is_speculative(self.current) else None
@@ -444,9 +449,8 @@ class AdaptiveController:
         if table is None or self._costs is None or self.steps <= 0:
             return None
         until = table[0] + self.settings.refresh
-        if batch <= self.settings.probe_max_batch:
-            for period in (max(round(self.settings.probe_run / self.settings.probe), 1) if self.settings.probe > 0
-                           else 0, self.settings.neighbour):
+        if batch <= self.settings.probe_max_batch:  # the next step a probe or a neighbour step may start
+            for period in (self.settings.probe_period, self.settings.neighbour):
                 if period:
                     until = min(until, (self.steps // period + 1) * period)
         method = decision.method

@@ -715,7 +715,7 @@ def test_unmeasured_lengths_keep_the_calibrations_shape_under_noisy_measurements
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_draft_length_timed_in_a_slow_minute_runs_again(seed: int) -> None:
-    # The best draft length at batch 16 (γ=4 or 5 on this machine, 3.5% ahead of γ=3) was timed in a minute when
+    # The best draft length at batch 16 (γ=4 or 5 on this machine, 3-4% ahead of γ=3) was timed in a minute when
     # the machine ran 1.6x slower, γ=3 in a normal one. Priced on those timings γ=3 wins the argmax, and nothing
     # else would ever time the others: the neighbouring lengths run one step in `neighbour`, and the policy
     # finds its way back. Without them (neighbour=0) γ=3 runs every step.
