@@ -42,6 +42,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -113,6 +114,19 @@ class RunningPod:
     @property
     def sid(self) -> int:
         return self.proc.pid  # start_new_session: the leader's pid is the session id
+
+    def crash(self) -> None:
+        """The container dies at once, as when its node kills its cgroup: SIGKILL to every process in its session.
+        Not only its process group: Ray puts each worker (the trainer actor, say) in a group of its own, and a worker
+        left alive goes on training for a step or two until it notices its raylet is gone."""
+        deadline = time.monotonic() + 10
+        while (left := processes_in_sessions({self.sid})) and time.monotonic() < deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.05)  # returns once they are gone: nothing of the pod writes after this
 
     def tail(self, n: int = 40) -> str:
         try:

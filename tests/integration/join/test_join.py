@@ -322,8 +322,10 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
     old: RunningPod = join.runner.running(NS, target)  # type: ignore[assignment]
     # Counted from here: a pod that crashed earlier (a port taken, say) and came back is already in the count.
     restarts = int(join.kubectl.json("get", "rlj", JOB, "-n", NS)["status"].get("restarts") or 0)
-    os.killpg(old.sid, signal.SIGKILL)
+    old.crash()
     step_at_kill = int((join.status() or {}).get("step", 0))
+    # With no trainer left no checkpoint can complete after this: the recovery must load the newest one.
+    newest = max(int(m.parent.name.removeprefix("step-")) for m in checkpoints.glob("step-*/COMPLETE"))
     join.wait(lambda: (r := join.runner.running(NS, target)) is not None and r.uid != old.uid,
               f"{target} recreated by the operator")
     assert old.exit_code == 137
@@ -345,7 +347,8 @@ def test_apply_rebalance_kill_and_complete(join: Join) -> None:
     assert (rec["action"], rec["lost"]) == ("restore", [target]), rec  # no trainer survived: the checkpoint
     restored = int(Path(rec["source"]).name.removeprefix("step-"))
     assert Path(rec["source"]).parent == checkpoints and restored % CHECKPOINT_EVERY == 0, rec
-    assert step_at_kill - CHECKPOINT_EVERY <= restored <= step_at_kill + 1, (restored, step_at_kill)
+    assert restored == newest and step_at_kill - CHECKPOINT_EVERY <= restored <= step_at_kill + 1, (
+        restored, newest, step_at_kill)
     cols = join.rlj()
     assert (cols["TRAINER"], cols["ROLLOUT"]) == (str(TRAINERS - 1), "2"), cols
     kill_s = time.monotonic() - t2
