@@ -7,27 +7,11 @@ the proposer's drafting (its catch-up on unseen tokens plus γ draft steps) and 
 Its speed relative to plain decoding is ``L / (d + v)`` in units of t(b). Every step the controller takes the
 argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy — with:
 
-* **running estimates**: t(b), t_v(b, k) and d_m(b, γ) start from the start-up calibration (`calibrate`) and are
-  replaced by what the steps themselves measure once two steps have (a low quantile of the last `window` samples
-  per batch size and length: on a shared machine other processes only ever add time; plain decoding's of the
-  last `horizon` steps only, see the rechecks below; a length no step has measured keeps its calibrated cost
-  relative to the nearest measured one, `rescale_unmeasured`); α_m is accepted / tried draft tokens over an
-  exponential window of `alpha_memory` tokens. p_j is α_m times the shape of acceptance over the draft positions:
-  the same ratio at position j over all of them, each counted over a longer window (`shape_memory`; position j's
-  shrunk towards position j−1's by `POSITION_PRIOR` tokens). Where later positions are accepted less often (heads
-  that draft from their own guesses, such as EAGLE's and MTP's, lose acceptance with depth) the geometric law
-  drafts too long; the benchmark's draft model is flat (0.85–0.91 at positions 1–8), and there the two laws agree.
-  The level moves fast and the shape slowly: per-position ratios over the level's short window were noisy enough
-  to flap between two proposers within 2% of each other. A step whose estimate moves by 10% when it is folded
-  recomputes its batch size's table (a held step 1.5x off its prediction is folded at the next step, see below):
-  the calibration decodes short sequences, and a drafter whose cost grows with the context looks cheaper there
-  than it is in the tail;
-* **stop hazard**: a round also ends where its sequence does. The chance h(b) that an emitted token is a stop
-  token (stops per emitted token at this batch size, over `stop_memory` tokens, `STOP_PRIOR` tokens of no-stop
-  prior) scales every p_j by 1 − h(b), and α_m counts only drafts inside the text. Why: a drafter that is a copy of
-  the policy agrees with it past the end of a response too; on the benchmark's short responses (median 13 tokens)
-  quantized_self at γ=8 and batch 2 emitted 16% fewer tokens than it had accepted, and the argmax, blind to it,
-  chose it at 0.8x the draft model's rate;
+* **estimates** (`estimates.py`): t(b), t_v(b, k) and d_m(b, γ) from the calibration and then from what the
+  steps measure, α_m and its shape over the draft positions, and the stop hazard h(b) (a round also ends where
+  its sequence does). A step whose estimate moves by 10% when it is folded recomputes its batch size's table (a
+  held step 1.5x off its prediction is folded at the next step, see below): the calibration decodes short
+  sequences, and a drafter whose cost grows with the context looks cheaper there than it is in the tail;
 * **margin**: a proposer runs only where it is predicted `margin` faster than plain decoding (its speed is an
   estimate, plain decoding's a measurement: in a near-tie the error is larger than the gain);
 * **length ties**: a proposer drafts the shortest γ predicted within `length_tie` of its best. The benchmark's draft
@@ -71,8 +55,7 @@ only keeps its record; the records are folded into the estimates, in order, on t
 anything (a table is never computed from records not folded yet): 61–76 µs a step at batch 1 to 16 on the
 benchmark's machine (AMD EPYC Zen 4, the bench models, timed inside the decode loop).
 
-Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
-their draft time is not recorded; their verify time and acceptance are. The engine prefills on admission only the
+The engine prefills on admission only the
 drafters this policy names warm (`warm_proposers`: the one it will run at the batch the admission makes and, if
 cheap, the argmax at batch 1); the others
 catch up from the prompt when a probe or a switch first runs them. Nothing here touches the sampling RNG: the
@@ -81,9 +64,8 @@ choice never changes the distribution of the sampled tokens (every option is los
 
 from __future__ import annotations
 
-import math
-from collections import Counter, deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,26 +75,21 @@ from .cost_model import (
     CostModel,
     alpha_from_mean_accepted,
     expected_tokens_per_round,
-    linear_in_tokens,
-    low_percentile,
     predicted_speedup,
     round_alpha_from_record,
 )
+from .estimates import MIN_TRIED, Estimates, batch_key, rescale_unmeasured
 
 # the math lives in cost_model; these names are re-exported for the callers that import them from here
 __all__ = ["AR", "AdaptiveController", "AdaptiveSettings", "CostModel", "alpha_from_mean_accepted",
            "controller_from_spec", "expected_tokens_per_round", "is_speculative", "label", "predicted_speedup",
-           "round_alpha_from_record", "settings_from_spec"]
+           "rescale_unmeasured", "round_alpha_from_record", "settings_from_spec"]
 
 AR = Decision(None, 0)
-MIN_TRIED = 32  # draft tokens of acceptance evidence before a proposer's α is trusted (probed until then)
-POSITION_PRIOR = 64.0  # tokens of evidence the previous position's acceptance counts for at the next
-STOP_PRIOR = 64.0  # emitted tokens without a stop the stop hazard starts from
 # A held choice whose step cost this factor more or less than predicted is re-examined at the next step. Single
 # steps are noisy (the estimates' own check compares low quantiles at 10%); this only has to catch a choice that
 # was mispriced by a lot, such as a drafter calibrated on short sequences.
 SURPRISE = 1.5
-RECENT_MIN = 3  # plain samples its estimate reads at least, however old (see `AdaptiveSettings.horizon`)
 
 
 def is_speculative(decision: Decision) -> bool:
@@ -246,26 +223,12 @@ class AdaptiveController:
         names = list(dict.fromkeys(m for m in methods if m and m != "none"))
         self.methods = names if s.strategy else names[:1]
         self.metrics = metrics
-        priors = alpha_priors or {}
-        self._alpha = {m: float(priors.get(m, s.prior_alpha)) for m in self.methods}
-        # decayed (accepted, tried) draft tokens; a calibrated α counts as `MIN_TRIED` tokens of evidence
-        self._acceptance = {m: (MIN_TRIED * self._alpha[m], float(MIN_TRIED)) if m in priors else (0.0, 0.0)
-                            for m in self.methods}
-        # per draft position, [accepted, tested] over `shape_memory` (empty until a record carries positions)
-        self._positions: dict[str, list[list[float]]] = {m: [] for m in self.methods}
-        self._stops: dict[int, tuple[float, float]] = {}  # per table key: decayed (stops, emitted tokens)
+        self.estimates = Estimates(self.methods, cost_model, s, alpha_priors)
         self._probing: tuple[Decision, int] | None = None  # a probe burst in progress: (option, steps left)
-        self._costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
-        # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
-        self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
-        self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
-        self._samples: dict[tuple, deque[tuple[int, float]]] = {}  # per quantity: (step, seconds), oldest first
         self._tables: dict[int, tuple[int, dict[str | None, tuple[float, Decision]]]] = {}
         self._held: _Held | None = None  # the last argmax, while it stands (`decide`'s fast path)
         # records not folded yet, with their CPU seconds and the step that ran them
         self._pending: list[tuple[StepRecord, float | None, int]] = []
-        self._last_run: dict[str | None, int] = {}  # option (None: plain) -> step it last ran
-        self._last_method: str | None = None
         self._clock = StepClock(s.clock)
         self.current = AR
         self.steps = self.sd_steps = self.probes = self.neighbours = 0
@@ -275,13 +238,13 @@ class AdaptiveController:
     def alpha(self) -> dict[str, float]:
         """Per proposer, its acceptance rate per draft token (the estimate's level)."""
         self._fold()
-        return self._alpha
+        return self.estimates.alpha
 
     @property
     def costs(self) -> CostModel | None:
         """The step costs as measured so far (the calibration's where nothing was measured yet)."""
         self._fold()
-        return self._costs
+        return self.estimates.costs
 
     # -- the argmax ------------------------------------------------------------------------------------------
 
@@ -289,29 +252,24 @@ class AdaptiveController:
         """Per option (None: plain decoding), its predicted speed relative to plain decoding and its best γ."""
         if self._pending:
             self._fold()
-        key = self._table_key(batch)
+        key = batch_key(batch)
         cached = self._tables.get(key)
         if cached is not None and self.steps - cached[0] < self.settings.refresh:
             return cached[1]
         out: dict[str | None, tuple[float, Decision]] = {}
         if self.settings.toggle or not self.methods:
             out[None] = (1.0, AR)
-        if self._costs is not None:
+        costs = self.estimates.costs
+        if costs is not None:
             gammas = self.settings.gammas()
-            verify = self._costs.verify_ratios(batch, gammas)
+            verify = costs.verify_ratios(batch, gammas)
             for m in self.methods:
-                if self._costs.knows(m):
-                    g, s = self._costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify,
+                if costs.knows(m):
+                    g, s = costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify,
                                                    self.settings.length_tie)
                     out[m] = (s, Decision(m, g))
         self._tables[key] = (self.steps, out)
         return out
-
-    @staticmethod
-    def _table_key(batch: int) -> int:
-        # Above 16 sequences one table serves an eighth of an octave (~9%): costs are interpolated in log(b), and a
-        # full-step batch shrinks by a few sequences per step, which would recompute the table at every step.
-        return batch if batch <= 16 else 16 + round(8 * math.log2(batch / 16))
 
     def choose(self, batch: int) -> Decision:
         """The argmax with hysteresis (no probes): what the policy exploits at this batch size."""
@@ -334,13 +292,14 @@ class AdaptiveController:
     def _probe(self, batch: int) -> Decision | None:
         """An option to measure this step instead of the argmax, or None."""
         s = self.settings
-        if self._costs is None:  # nothing measured yet: plain decoding first, it is the baseline of everything
+        costs = self.estimates.costs
+        if costs is None:  # nothing measured yet: plain decoding first, it is the baseline of everything
             return AR if s.toggle else Decision(self.methods[0], s.gamma)
         if batch > s.probe_max_batch:
             self._probing = None
             return None
         for m in self.methods:  # proposers without a draft cost or enough acceptance evidence come first
-            if not self._costs.knows(m) or self._acceptance[m][1] < MIN_TRIED:
+            if not costs.knows(m) or self.estimates.evidence(m) < MIN_TRIED:
                 return Decision(m, s.gamma)
         if self._probing is not None:
             option, left = self._probing
@@ -351,7 +310,7 @@ class AdaptiveController:
         options = self.table(batch)
         current = self.current.method if is_speculative(self.current) else None
         candidates = [k for k in options if k != current and self._could_win(k, batch, options)]
-        stale = min(candidates, key=lambda k: self._last_run.get(k, -1), default=current)
+        stale = min(candidates, key=lambda k: self.estimates.last_run.get(k, -1), default=current)
         if stale == current:
             return None
         option = options[stale][1]
@@ -377,10 +336,11 @@ class AdaptiveController:
         speed with an acceptance `probe_optimism` above its estimate (a probe of a hopeless option costs several
         slow steps: an n-gram probe at batch 16 ran at 0.4x plain); plain decoding, the baseline of every ratio,
         always could."""
-        if option is None or self._costs is None:
+        costs = self.estimates.costs
+        if option is None or costs is None:
             return True
         acceptance = self.continuing(option, batch, self.settings.probe_optimism)
-        optimistic = self._costs.best_gamma(option, batch, acceptance, self.settings.gammas())[1]
+        optimistic = costs.best_gamma(option, batch, acceptance, self.settings.gammas())[1]
         return optimistic > max(v[0] for v in options.values())
 
     def decide(self, active_batch_size: int) -> Decision:
@@ -432,10 +392,10 @@ class AdaptiveController:
         s = self.settings
         if not s.toggle or not is_speculative(decision) or batch > s.probe_max_batch:
             return False
-        window = self._samples.get(("ar", batch))
-        if not window:  # never measured here: nothing to recheck (the calibration's or a neighbour's cost stands)
+        measured = self.estimates.plain_measured_at(batch)
+        if measured is None:  # never measured here: nothing to recheck (the calibration's or a neighbour's cost stands)
             return False
-        since = self.steps - window[-1][0]
+        since = self.steps - measured
         if since <= s.recheck:
             return False
         gain = self.table(batch)[decision.method][0] - 1
@@ -444,9 +404,9 @@ class AdaptiveController:
     def _hold(self, batch: int, decision: Decision, counts: Counter[str]) -> _Held | None:
         """Until which step `decision` stands at this batch size: the next refresh of its table or the next step
         a probe may start, whichever comes first."""
-        key = self._table_key(batch)
+        key, costs = batch_key(batch), self.estimates.costs
         table = self._tables.get(key)
-        if table is None or self._costs is None or self.steps <= 0:
+        if table is None or costs is None or self.steps <= 0:
             return None
         until = table[0] + self.settings.refresh
         if batch <= self.settings.probe_max_batch:  # the next step a probe or a neighbour step may start
@@ -454,8 +414,8 @@ class AdaptiveController:
                 if period:
                     until = min(until, (self.steps // period + 1) * period)
         method = decision.method
-        predicted = self._costs.round_seconds(method, decision.gamma, batch) \
-            if method is not None and decision.gamma > 0 and self._costs.knows(method) else self._costs.t_ar(batch)
+        predicted = costs.round_seconds(method, decision.gamma, batch) \
+            if method is not None and decision.gamma > 0 and costs.knows(method) else costs.t_ar(batch)
         return _Held(batch, until, decision, key, table, counts, label(decision), is_speculative(decision), predicted)
 
     def _report(self, decision: Decision) -> None:
@@ -473,13 +433,14 @@ class AdaptiveController:
         quantized_self still kept a cache of its own)."""
         if not self.settings.adaptive:
             return self.methods[:1]
-        if self._costs is None:
+        costs = self.estimates.costs
+        if costs is None:
             return list(self.methods)
         running = self.choose(active_batch_size).method
         tail = self.table(1)
         best = tail[max(tail, key=lambda k: tail[k][0])][1].method if tail else None
         if best is not None and best != running:
-            one, two = self._costs.draft_ratios(best, 1, (1, 2)).values()
+            one, two = costs.draft_ratios(best, 1, (1, 2)).values()
             if two - one > self.settings.warm_max_draft_cost:
                 best = None
         return list(dict.fromkeys(m for m in (running, best) if m))
@@ -487,57 +448,20 @@ class AdaptiveController:
     # -- estimates -------------------------------------------------------------------------------------------
 
     def acceptance(self, method: str, optimism: float = 0.0) -> Acceptance:
-        """Proposer `method`'s acceptance per draft position (its α alone before any record carried positions),
-        each raised by `optimism`: what the cost model's expected tokens per round read."""
+        """`Estimates.acceptance`, with every record so far folded in."""
         if self._pending:
             self._fold()
-        positions = self._positions[method]
-        alpha = self._alpha[method]
-        tested = sum(t for _, t in positions)
-        if tested <= 0 or alpha <= 0:
-            return min(alpha + optimism, 1.0)
-        # The shape's level is shrunk towards α by `POSITION_PRIOR` tokens, as each position is towards the one
-        # before: a proposer's first round at batch 1 rejected its first draft (1 tested, 0 accepted), the raw
-        # level was 0, every position's acceptance with it, and no probe ever ran the draft model again.
-        level = (sum(a for a, _ in positions) + POSITION_PRIOR * alpha) / (tested + POSITION_PRIOR)
-        out, p = [], level
-        for accepted_j, tested_j in positions:
-            p = (accepted_j + POSITION_PRIOR * p) / (tested_j + POSITION_PRIOR)
-            out.append(min(alpha * p / level + optimism, 1.0))
-        return out
+        return self.estimates.acceptance(method, optimism)
 
     def stop_hazard(self, batch: int) -> float:
-        """The chance that a token emitted at this batch size ends its sequence."""
         if self._pending:
             self._fold()
-        stops, tokens = self._stops.get(self._table_key(batch), (0.0, 0.0))
-        return stops / (tokens + STOP_PRIOR)
+        return self.estimates.stop_hazard(batch)
 
     def continuing(self, method: str, batch: int, optimism: float = 0.0) -> Acceptance:
-        """Per draft position, the chance the round goes on past it: accepted, and not the end of the text."""
-        keep = 1.0 - self.stop_hazard(batch)
-        acceptance = self.acceptance(method, optimism)
-        return acceptance * keep if isinstance(acceptance, float) else [p * keep for p in acceptance]
-
-    def _sample(self, key: tuple, x: float, seed: float | None, step: int) -> float:
-        """Add one timing sample and return the new estimate: from two samples on, a low quantile of the last
-        `window` (plain decoding's: of those of the last `horizon` steps, at least `RECENT_MIN`); after one, its
-        mean with the seed (the calibration's value). The seed does not stay in the window: a calibration timed on
-        short sequences (attention grows with the context) held a wrong cost for a dozen steps of the workload when
-        it counted as three samples."""
-        window = self._samples.get(key)
-        if window is None:
-            window = self._samples[key] = deque(maxlen=self.settings.window)
-        window.append((step, x))
-        if len(window) == 1 and seed is not None:
-            return (seed + x) / 2
-        if key[0] != "ar":
-            return low_percentile([v for _, v in window], 0.25)
-        since = step - self.settings.horizon
-        recent = [v for at, v in window if at > since]
-        if len(recent) < RECENT_MIN:
-            recent = [v for _, v in list(window)[-RECENT_MIN:]]
-        return low_percentile(recent, 0.25)
+        if self._pending:
+            self._fold()
+        return self.estimates.continuing(method, batch, optimism)
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
         # Only kept here: the records reach the estimates on the next step that computes anything (`_fold`), so
@@ -557,113 +481,8 @@ class AdaptiveController:
         """Bring the kept records into the estimates, in the order the steps ran."""
         pending, self._pending = self._pending, []
         for record, seconds, step in pending:
-            self._learn_step(retimed(record, seconds), step)
-
-    def _learn_step(self, record: StepRecord, step: int) -> None:
-        b = record.batch_size
-        if b < 1 or record.seconds <= 0:
-            return
-        if record.emitted_tokens > 0:
-            key = self._table_key(b)
-            keep = math.exp(-record.emitted_tokens / self.settings.stop_memory)
-            stops, tokens = self._stops.get(key, (0.0, 0.0))
-            self._stops[key] = (keep * stops + record.stopped, keep * tokens + record.emitted_tokens)
-        before = self._predicted_seconds(record, b)
-        self._learn(record, b, step)
-        after = self._predicted_seconds(record, b)
-        # the table of this batch size is recomputed on the next decision when folding what ran moved its estimate
-        # by 10% (else a wrong choice would run until the next refresh)
-        if before and after and abs(after / before - 1) > 0.1:
-            self._tables.pop(self._table_key(b), None)
-
-    def _predicted_seconds(self, record: StepRecord, b: int) -> float | None:
-        """The current estimate of the step that `record` ran: t(b), or d_m(b, γ) + t_v(b, γ+1)."""
-        c = self._costs
-        if c is None:
-            return None
-        if not record.method or record.gamma < 1:
-            t = c.target_step.get(b)
-            return t if t is not None else c.t_ar(b)
-        if not c.knows(record.method):
-            return None
-        return c.round_seconds(record.method, record.gamma, b)
-
-    def _learn(self, record: StepRecord, b: int, step: int) -> None:
-        # what ran (the engine decodes plainly when every row ends within one token, and caps γ at the budget)
-        decision = Decision(record.method, record.gamma) if record.method and record.gamma > 0 else AR
-        method = decision.method
-        switched, self._last_method = method != self._last_method, method
-        self._last_run[method] = step
-        if method is None:
-            old = self._costs.target_step.get(b) if self._costs is not None else None
-            t = self._sample(("ar", b), record.seconds, old, step)
-            if self._costs is None:
-                self._costs = CostModel(target_step={b: t}, verify_step={})
-            self._costs.target_step[b] = t
-            self._follow(b)
-            return
-        if record.tried_tokens > 0:  # α = accepted / tried over a decaying window of tokens (the MLE)
-            keep = math.exp(-record.tried_tokens / self.settings.alpha_memory)
-            acc, tried = self._acceptance[method]
-            acc, tried = keep * acc + record.accepted_tokens, keep * tried + record.tried_tokens
-            self._acceptance[method] = (acc, tried)
-            self._alpha[method] = min(max(acc / tried, 0.0), 1.0)
-            positions = self._positions[method]
-            positions.extend([0.0, 0.0] for _ in range(len(record.tested_at) - len(positions)))
-            keep = math.exp(-record.tried_tokens / self.settings.shape_memory)
-            for j, cell in enumerate(positions):
-                cell[0] *= keep
-                cell[1] *= keep
-                if j < len(record.tested_at):
-                    cell[0] += record.accepted_at[j]
-                    cell[1] += record.tested_at[j]
-        elif (alpha := round_alpha_from_record(record)) is not None:
-            weight = 1 - math.exp(-record.draft_tokens / self.settings.alpha_memory)
-            self._alpha[method] += weight * (alpha - self._alpha[method])
-        c = self._costs
-        if c is None:
-            return
-        k = decision.gamma + 1
-        by_k = c.verify_step.setdefault(b, {})
-        old = by_k.get(k)
-        by_k[k] = self._sample(("verify", b, k), record.target_seconds, old, step)
-        self._follow(b)
-        g = decision.gamma
-        if not c.knows(method):  # first ever measurement: an upper bound until a steady step comes
-            c.draft_round[method] = {b: {g: record.draft_seconds}}
-        elif not switched:
-            by_g = c.draft_round.setdefault(method, {}).get(b)
-            if by_g is None:  # first round at this batch size: every γ starts from the model's prediction
-                t = c.plain_step(b)
-                by_g = c.draft_round[method][b] = {
-                    k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
-                self._draft_predicted[(method, b)] = dict(by_g)
-            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g), step)
-            predicted = self._draft_predicted.get((method, b))
-            if predicted:  # the draft lengths no step has measured move with the measured ones
-                measured = {k for k in by_g if ("draft", method, b, k) in self._samples}
-                by_g.update(rescale_unmeasured(by_g, predicted, measured, predicted.__getitem__))
-
-    def _follow(self, b: int) -> None:
-        """Re-derive the verify costs at batch b that no step has measured: each calibrated length at what the
-        nearest measured length (the plain step included) costs now against its own calibration. The machine's
-        load moves every forward alike, so a calibrated γ that never runs keeps its place beside the ones that do.
-        (Multiplying in every change of a measured estimate instead made a random walk of the unmeasured ones:
-        replaying noisy steps at two lengths and plain steps, the unmeasured 3-token verify drifted to 2.1x the
-        plain step, where the calibration had it at 1.1x.)"""
-        if self._calibrated is None or self._costs is None:
-            return
-        cal = self._calibrated.verify_step.get(b)
-        if not cal:
-            return
-        verify = self._costs.verify_step.setdefault(b, {})
-        now = dict(verify)
-        measured = {k for k in now if ("verify", b, k) in self._samples}
-        if ("ar", b) in self._samples and b in self._costs.target_step:
-            now[1] = self._costs.target_step[b]
-            measured.add(1)
-        points = {**cal, 1: self._calibrated.target_step.get(b) or self._calibrated.t_ar(b)}
-        verify.update(rescale_unmeasured(now, cal, measured, lambda k: linear_in_tokens(points, k)))
+            if self.estimates.learn(retimed(record, seconds), step):
+                self._tables.pop(batch_key(record.batch_size), None)
 
     # -- visibility ------------------------------------------------------------------------------------------
 
@@ -680,8 +499,8 @@ class AdaptiveController:
             "probe_steps": self.probes,
             "neighbour_steps": self.neighbours,
             "decisions_by_batch_size": {b: dict(c) for b, c in sorted(self._counts.items())},
-            "alpha": {m: round(a, 4) for m, a in self._alpha.items()},
-            "stop_hazard_by_batch_size": {b: round(self.stop_hazard(b), 4) for b in sorted(self._stops)},
+            "alpha": {m: round(a, 4) for m, a in self.estimates.alpha.items()},
+            "stop_hazard_by_batch_size": {b: round(h, 4) for b, h in self.estimates.stop_hazards().items()},
             "acceptance_by_position": {m: [round(p, 3) for p in a] for m in self.methods
                                        if not isinstance(a := self.acceptance(m), float)},
         }
@@ -700,20 +519,6 @@ class AdaptiveController:
             else:
                 ranges.append([b, b, k])
         return ranges
-
-
-def rescale_unmeasured(current: Mapping[int, float], base: Mapping[int, float], measured: Collection[int],
-                       base_at: Callable[[int], float]) -> dict[int, float]:
-    """For every length k of `base` no step has measured: base[k] times what the nearest measured length m costs
-    now against its own base, current[m] / base_at(m) (the shorter m on ties). Nothing when nothing is measured."""
-    out = {}
-    for k, v in base.items():
-        if k in measured or not measured:
-            continue
-        m = min(measured, key=lambda a: (abs(a - k), a))
-        if (at := base_at(m)) > 0:  # a free proposer's (n-gram) predicted drafting: nothing to scale
-            out[k] = v * current[m] / at
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

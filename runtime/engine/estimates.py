@@ -1,0 +1,261 @@
+"""What the adaptive policy knows (`adaptive.py`): running estimates of step costs, acceptance and stops, kept
+from the engine's step records.
+
+* **step costs**: t(b), t_v(b, k) and d_m(b, γ) start from the start-up calibration (`calibrate`) and are replaced
+  by what the steps themselves measure once two steps have: a low quantile of the last `window` samples per batch
+  size and length (on a shared machine other processes only ever add time); plain decoding's of the last
+  `horizon` steps only (the policy's plain rechecks keep it current: every forward's cost grows with the rows'
+  contexts). A length no step has measured keeps its calibrated cost relative to the nearest measured one
+  (`rescale_unmeasured`).
+* **acceptance**: α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. Per
+  draft position j, p_j is α_m times the shape of acceptance over the positions: the same ratio at position j over
+  all of them, each counted over a longer window (`shape_memory`; position j's shrunk towards position j−1's by
+  `POSITION_PRIOR` tokens). Where later positions are accepted less often (heads that draft from their own guesses,
+  such as EAGLE's and MTP's, lose acceptance with depth) the geometric law drafts too long; the benchmark's draft
+  model is flat (0.85–0.91 at positions 1–8), and there the two laws agree. The level moves fast and the shape
+  slowly: per-position ratios over the level's short window were noisy enough to flap between two proposers within
+  2% of each other.
+* **stop hazard**: a round also ends where its sequence does. The chance h(b) that an emitted token is a stop
+  token (stops per emitted token at this batch size, over `stop_memory` tokens, `STOP_PRIOR` tokens of no-stop
+  prior) scales every p_j by 1 − h(b) (`continuing`), and α_m counts only drafts inside the text. Why: a drafter
+  that is a copy of the policy agrees with it past the end of a response too; on the benchmark's short responses
+  (median 13 tokens) quantized_self at γ=8 and batch 2 emitted 16% fewer tokens than it had accepted, and the
+  argmax, blind to it, chose it at 0.8x the draft model's rate.
+
+Switch steps (the first step of a proposer after another option ran) measure the catch-up, not the proposer, so
+their draft time is not recorded; their verify time and acceptance are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from .control import Decision, StepRecord
+from .cost_model import Acceptance, CostModel, linear_in_tokens, low_percentile, round_alpha_from_record
+
+if TYPE_CHECKING:
+    from .adaptive import AdaptiveSettings
+
+MIN_TRIED = 32  # draft tokens of acceptance evidence before a proposer's α is trusted (probed until then)
+POSITION_PRIOR = 64.0  # tokens of evidence the previous position's acceptance counts for at the next
+STOP_PRIOR = 64.0  # emitted tokens without a stop the stop hazard starts from
+RECENT_MIN = 3  # plain samples its estimate reads at least, however old (see `AdaptiveSettings.horizon`)
+
+
+def batch_key(batch: int) -> int:
+    """The batch sizes that share a table of options and a stop hazard. Above 16 sequences one key serves an eighth
+    of an octave (~9%): costs are interpolated in log(b), and a full-step batch shrinks by a few sequences per step,
+    which would recompute the table at every step."""
+    return batch if batch <= 16 else 16 + round(8 * math.log2(batch / 16))
+
+
+class Estimates:
+    """Step costs (`costs`: a `CostModel`, None until something is measured or calibrated), acceptance per proposer
+    and draft position, and stop hazards per batch size; `learn` folds in one step's record."""
+
+    def __init__(self, methods: Sequence[str], cost_model: CostModel | None, settings: AdaptiveSettings,
+                 alpha_priors: Mapping[str, float] | None = None) -> None:
+        self.settings = s = settings
+        self.methods = list(methods)
+        priors = alpha_priors or {}
+        self.alpha = {m: float(priors.get(m, s.prior_alpha)) for m in self.methods}
+        # decayed (accepted, tried) draft tokens; a calibrated α counts as `MIN_TRIED` tokens of evidence
+        self._acceptance = {m: (MIN_TRIED * self.alpha[m], float(MIN_TRIED)) if m in priors else (0.0, 0.0)
+                            for m in self.methods}
+        # per draft position, [accepted, tested] over `shape_memory` (empty until a record carries positions)
+        self._positions: dict[str, list[list[float]]] = {m: [] for m in self.methods}
+        self._stops: dict[int, tuple[float, float]] = {}  # per batch key: decayed (stops, emitted tokens)
+        self.costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
+        # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
+        self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
+        self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
+        self._samples: dict[tuple, deque[tuple[int, float]]] = {}  # per quantity: (step, seconds), oldest first
+        self.last_run: dict[str | None, int] = {}  # option (None: plain) -> step it last ran
+        self._last_method: str | None = None
+
+    # -- reading --------------------------------------------------------------------------------------------
+
+    def evidence(self, method: str) -> float:
+        """Draft tokens of acceptance evidence `method`'s α rests on (decayed)."""
+        return self._acceptance[method][1]
+
+    def plain_measured_at(self, batch: int) -> int | None:
+        """The step that last timed plain decoding at this batch size (None: never)."""
+        window = self._samples.get(("ar", batch))
+        return window[-1][0] if window else None
+
+    def acceptance(self, method: str, optimism: float = 0.0) -> Acceptance:
+        """Proposer `method`'s acceptance per draft position (its α alone before any record carried positions),
+        each raised by `optimism`: what the cost model's expected tokens per round read."""
+        positions = self._positions[method]
+        alpha = self.alpha[method]
+        tested = sum(t for _, t in positions)
+        if tested <= 0 or alpha <= 0:
+            return min(alpha + optimism, 1.0)
+        # The shape's level is shrunk towards α by `POSITION_PRIOR` tokens, as each position is towards the one
+        # before: a proposer's first round at batch 1 rejected its first draft (1 tested, 0 accepted), the raw
+        # level was 0, every position's acceptance with it, and no probe ever ran the draft model again.
+        level = (sum(a for a, _ in positions) + POSITION_PRIOR * alpha) / (tested + POSITION_PRIOR)
+        out, p = [], level
+        for accepted_j, tested_j in positions:
+            p = (accepted_j + POSITION_PRIOR * p) / (tested_j + POSITION_PRIOR)
+            out.append(min(alpha * p / level + optimism, 1.0))
+        return out
+
+    def stop_hazard(self, batch: int) -> float:
+        """The chance that a token emitted at this batch size ends its sequence."""
+        stops, tokens = self._stops.get(batch_key(batch), (0.0, 0.0))
+        return stops / (tokens + STOP_PRIOR)
+
+    def stop_hazards(self) -> dict[int, float]:
+        return {b: self.stop_hazard(b) for b in sorted(self._stops)}
+
+    def continuing(self, method: str, batch: int, optimism: float = 0.0) -> Acceptance:
+        """Per draft position, the chance the round goes on past it: accepted, and not the end of the text."""
+        keep = 1.0 - self.stop_hazard(batch)
+        acceptance = self.acceptance(method, optimism)
+        return acceptance * keep if isinstance(acceptance, float) else [p * keep for p in acceptance]
+
+    def predicted_seconds(self, record: StepRecord) -> float | None:
+        """The current estimate of the step that `record` ran: t(b), or d_m(b, γ) + t_v(b, γ+1)."""
+        c, b = self.costs, record.batch_size
+        if c is None:
+            return None
+        if not record.method or record.gamma < 1:
+            t = c.target_step.get(b)
+            return t if t is not None else c.t_ar(b)
+        if not c.knows(record.method):
+            return None
+        return c.round_seconds(record.method, record.gamma, b)
+
+    # -- learning -------------------------------------------------------------------------------------------
+
+    def learn(self, record: StepRecord, step: int) -> bool:
+        """Fold in one step's record (run at `step`); whether it moved the estimate of what ran by more than 10%
+        (the policy then recomputes that batch size's table, else a wrong choice would run until its refresh)."""
+        b = record.batch_size
+        if b < 1 or record.seconds <= 0:
+            return False
+        if record.emitted_tokens > 0:
+            key = batch_key(b)
+            keep = math.exp(-record.emitted_tokens / self.settings.stop_memory)
+            stops, tokens = self._stops.get(key, (0.0, 0.0))
+            self._stops[key] = (keep * stops + record.stopped, keep * tokens + record.emitted_tokens)
+        before = self.predicted_seconds(record)
+        self._learn(record, b, step)
+        after = self.predicted_seconds(record)
+        return bool(before and after and abs(after / before - 1) > 0.1)
+
+    def _sample(self, key: tuple, x: float, seed: float | None, step: int) -> float:
+        """Add one timing sample and return the new estimate: from two samples on, a low quantile of the last
+        `window` (plain decoding's: of those of the last `horizon` steps, at least `RECENT_MIN`); after one, its
+        mean with the seed (the calibration's value). The seed does not stay in the window: a calibration timed on
+        short sequences (attention grows with the context) held a wrong cost for a dozen steps of the workload when
+        it counted as three samples."""
+        window = self._samples.get(key)
+        if window is None:
+            window = self._samples[key] = deque(maxlen=self.settings.window)
+        window.append((step, x))
+        if len(window) == 1 and seed is not None:
+            return (seed + x) / 2
+        if key[0] != "ar":
+            return low_percentile([v for _, v in window], 0.25)
+        since = step - self.settings.horizon
+        recent = [v for at, v in window if at > since]
+        if len(recent) < RECENT_MIN:
+            recent = [v for _, v in list(window)[-RECENT_MIN:]]
+        return low_percentile(recent, 0.25)
+
+    def _learn(self, record: StepRecord, b: int, step: int) -> None:
+        # what ran (the engine decodes plainly when every row ends within one token, and caps γ at the budget)
+        decision = Decision(record.method, record.gamma) if record.method and record.gamma > 0 else Decision()
+        method = decision.method
+        switched, self._last_method = method != self._last_method, method
+        self.last_run[method] = step
+        if method is None:
+            old = self.costs.target_step.get(b) if self.costs is not None else None
+            t = self._sample(("ar", b), record.seconds, old, step)
+            if self.costs is None:
+                self.costs = CostModel(target_step={b: t}, verify_step={})
+            self.costs.target_step[b] = t
+            self._follow(b)
+            return
+        if record.tried_tokens > 0:  # α = accepted / tried over a decaying window of tokens (the MLE)
+            keep = math.exp(-record.tried_tokens / self.settings.alpha_memory)
+            acc, tried = self._acceptance[method]
+            acc, tried = keep * acc + record.accepted_tokens, keep * tried + record.tried_tokens
+            self._acceptance[method] = (acc, tried)
+            self.alpha[method] = min(max(acc / tried, 0.0), 1.0)
+            positions = self._positions[method]
+            positions.extend([0.0, 0.0] for _ in range(len(record.tested_at) - len(positions)))
+            keep = math.exp(-record.tried_tokens / self.settings.shape_memory)
+            for j, cell in enumerate(positions):
+                cell[0] *= keep
+                cell[1] *= keep
+                if j < len(record.tested_at):
+                    cell[0] += record.accepted_at[j]
+                    cell[1] += record.tested_at[j]
+        elif (alpha := round_alpha_from_record(record)) is not None:
+            weight = 1 - math.exp(-record.draft_tokens / self.settings.alpha_memory)
+            self.alpha[method] += weight * (alpha - self.alpha[method])
+        c = self.costs
+        if c is None:
+            return
+        k = decision.gamma + 1
+        by_k = c.verify_step.setdefault(b, {})
+        old = by_k.get(k)
+        by_k[k] = self._sample(("verify", b, k), record.target_seconds, old, step)
+        self._follow(b)
+        g = decision.gamma
+        if not c.knows(method):  # first ever measurement: an upper bound until a steady step comes
+            c.draft_round[method] = {b: {g: record.draft_seconds}}
+        elif not switched:
+            by_g = c.draft_round.setdefault(method, {}).get(b)
+            if by_g is None:  # first round at this batch size: every γ starts from the model's prediction
+                t = c.plain_step(b)
+                by_g = c.draft_round[method][b] = {
+                    k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
+                self._draft_predicted[(method, b)] = dict(by_g)
+            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g), step)
+            predicted = self._draft_predicted.get((method, b))
+            if predicted:  # the draft lengths no step has measured move with the measured ones
+                measured = {k for k in by_g if ("draft", method, b, k) in self._samples}
+                by_g.update(rescale_unmeasured(by_g, predicted, measured, predicted.__getitem__))
+
+    def _follow(self, b: int) -> None:
+        """Re-derive the verify costs at batch b that no step has measured: each calibrated length at what the
+        nearest measured length (the plain step included) costs now against its own calibration. The machine's
+        load moves every forward alike, so a calibrated γ that never runs keeps its place beside the ones that do.
+        (Multiplying in every change of a measured estimate instead made a random walk of the unmeasured ones:
+        replaying noisy steps at two lengths and plain steps, the unmeasured 3-token verify drifted to 2.1x the
+        plain step, where the calibration had it at 1.1x.)"""
+        if self._calibrated is None or self.costs is None:
+            return
+        cal = self._calibrated.verify_step.get(b)
+        if not cal:
+            return
+        verify = self.costs.verify_step.setdefault(b, {})
+        now = dict(verify)
+        measured = {k for k in now if ("verify", b, k) in self._samples}
+        if ("ar", b) in self._samples and b in self.costs.target_step:
+            now[1] = self.costs.target_step[b]
+            measured.add(1)
+        points = {**cal, 1: self._calibrated.target_step.get(b) or self._calibrated.t_ar(b)}
+        verify.update(rescale_unmeasured(now, cal, measured, lambda k: linear_in_tokens(points, k)))
+
+
+def rescale_unmeasured(current: Mapping[int, float], base: Mapping[int, float], measured: Collection[int],
+                       base_at: Callable[[int], float]) -> dict[int, float]:
+    """For every length k of `base` no step has measured: base[k] times what the nearest measured length m costs
+    now against its own base, current[m] / base_at(m) (the shorter m on ties). Nothing when nothing is measured."""
+    out = {}
+    for k, v in base.items():
+        if k in measured or not measured:
+            continue
+        m = min(measured, key=lambda a: (abs(a - k), a))
+        if (at := base_at(m)) > 0:  # a free proposer's (n-gram) predicted drafting: nothing to scale
+            out[k] = v * current[m] / at
+    return out
