@@ -27,7 +27,7 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   is worth only what it saves against a plain step *now*. While a proposer runs, one plain step now and then keeps
   that cost current: every `recheck` steps at a batch size, or less often where speculation is predicted to win by
   more (each recheck gives up that gain for a step: at most `recheck_cost` of the time). Plain decoding's estimate
-  reads only the samples of the last `horizon` steps (at least `RECENT_MIN`), so a recheck replaces what was
+  reads only the samples of the last `horizon` steps (`estimates.RECENT_MIN` at least), so a recheck replaces what was
   measured on other rows: on the benchmark, a batch of 16 new rows inherited the plain cost of the previous batch's
   long contexts (15% dearer) and ran speculation at 0.87-0.97x plain decoding on the strength of it. The
   speculative options keep their whole window: each of them is the argmax only where its estimate is lowest, and
@@ -55,10 +55,9 @@ only keeps its record; the records are folded into the estimates, in order, on t
 anything (a table is never computed from records not folded yet): 61–76 µs a step at batch 1 to 16 on the
 benchmark's machine (AMD EPYC Zen 4, the bench models, timed inside the decode loop).
 
-The engine prefills on admission only the
-drafters this policy names warm (`warm_proposers`: the one it will run at the batch the admission makes and, if
-cheap, the argmax at batch 1); the others
-catch up from the prompt when a probe or a switch first runs them. Nothing here touches the sampling RNG: the
+The engine prefills on admission only the drafters this policy names warm (`warm_proposers`: the one it will run at
+the batch the admission makes and, if cheap, the argmax at batch 1); the others catch up from the prompt when a
+probe or a switch first runs them. Nothing here touches the sampling RNG: the
 choice never changes the distribution of the sampled tokens (every option is lossless).
 """
 
