@@ -4,6 +4,7 @@ files, ports and HOME; its status follows the process; deleting the pod ends the
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,10 @@ pytestmark = pytest.mark.integration
 NS = "runner"
 # The "container": writes what it sees, serves one HTTP port (the readiness probe), then waits or exits.
 PROGRAM = """
-import http.server, json, os, pathlib, sys, threading
+import http.server, json, os, pathlib, subprocess, sys, threading
+if os.environ.get("CHILD_OUT"):  # a worker in a process group of its own, as Ray starts its workers
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], process_group=0)
+    pathlib.Path(os.environ["CHILD_OUT"]).write_text(str(child.pid))
 seen = {"env": dict(os.environ), "cwd": os.getcwd(),
         "config": pathlib.Path(sys.argv[1]).read_text(), "token": pathlib.Path(sys.argv[2]).read_text()}
 pathlib.Path(os.environ["OUT"]).write_text(json.dumps(seen))
@@ -111,6 +115,29 @@ def test_a_pod_runs_as_a_process_with_its_env_files_and_ports(env, tmp_path: Pat
     wait_for(lambda: pod.proc.poll() is not None, 30, "the process to end after the pod was deleted")
     wait_for(lambda: not processes_in_sessions({pod.sid}), 30, "nothing left in the pod's session")
     assert (tmp_path / "logs" / f"{NS}_p_{pod.uid[:8]}.log").exists()
+
+
+def test_a_crashed_pod_takes_every_process_of_its_session_down(env, tmp_path: Path) -> None:
+    """`RunningPod.crash` is a container's death: the workers in process groups of their own go with it (a kill of
+    the pod's process group alone left the join test's Ray trainer worker training on after its pod was gone)."""
+    kube, runner = env
+    child_out = tmp_path / "child.pid"
+    kube.create("v1/pods", _pod("c", tmp_path / "c.json", CHILD_OUT=str(child_out)))
+    runner.sync_once()
+    pod = runner.running(NS, "c")
+    assert pod is not None
+    child = int(wait_for(lambda: child_out.exists() and child_out.read_text(), 30, "the child's pid"))
+    assert os.getpgid(child) != os.getpgid(pod.proc.pid) and os.getsid(child) == pod.sid
+    pod.crash()
+    assert not processes_in_sessions({pod.sid})  # gone when crash returns, the other group too
+
+    def failed() -> dict[str, Any] | None:
+        runner.sync_once()
+        st = kube.get("v1/pods", NS, "c")["status"]
+        return st if st.get("phase") == "Failed" else None
+
+    term = wait_for(failed, 30, "the pod Failed")["containerStatuses"][0]["state"]["terminated"]
+    assert term["exitCode"] == 137
 
 
 def test_exit_codes_become_the_pod_phase(env, tmp_path: Path) -> None:
