@@ -64,6 +64,7 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     mix = r["common_mix"]
     assert mix["best_fixed"] in names and mix["buckets"] and len(mix["reference_tokens"]) == len(mix["buckets"])
     assert r["targets"]["adaptive_vs_best_fixed"]["value"] == mix["adaptive_vs_best_fixed"]["ratio"] > 0
+    assert mix["adaptive_vs_held_out_best"] is None and mix["held_out_best_per_repeat"] == []  # one repeat
 
 
 def test_bench_helpers() -> None:
