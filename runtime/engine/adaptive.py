@@ -77,12 +77,12 @@ from .cost_model import (
     predicted_speedup,
     round_alpha_from_record,
 )
-from .estimates import MIN_TRIED, Estimates, batch_key, rescale_unmeasured
+from .estimates import MIN_TRIED, Estimates, batch_key
 
 # the math lives in cost_model; these names are re-exported for the callers that import them from here
 __all__ = ["AR", "AdaptiveController", "AdaptiveSettings", "CostModel", "alpha_from_mean_accepted",
            "controller_from_spec", "expected_tokens_per_round", "is_speculative", "label", "predicted_speedup",
-           "rescale_unmeasured", "round_alpha_from_record", "settings_from_spec"]
+           "round_alpha_from_record", "settings_from_spec"]
 
 AR = Decision(None, 0)
 # A held choice whose step cost this factor more or less than predicted is re-examined at the next step. Single

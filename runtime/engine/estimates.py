@@ -59,14 +59,13 @@ class Estimates:
     def __init__(self, methods: Sequence[str], cost_model: CostModel | None, settings: AdaptiveSettings,
                  alpha_priors: Mapping[str, float] | None = None) -> None:
         self.settings = s = settings
-        self.methods = list(methods)
         priors = alpha_priors or {}
-        self.alpha = {m: float(priors.get(m, s.prior_alpha)) for m in self.methods}
+        self.alpha = {m: float(priors.get(m, s.prior_alpha)) for m in methods}
         # decayed (accepted, tried) draft tokens; a calibrated α counts as `MIN_TRIED` tokens of evidence
         self._acceptance = {m: (MIN_TRIED * self.alpha[m], float(MIN_TRIED)) if m in priors else (0.0, 0.0)
-                            for m in self.methods}
+                            for m in methods}
         # per draft position, [accepted, tested] over `shape_memory` (empty until a record carries positions)
-        self._positions: dict[str, list[list[float]]] = {m: [] for m in self.methods}
+        self._positions: dict[str, list[list[float]]] = {m: [] for m in methods}
         self._stops: dict[int, tuple[float, float]] = {}  # per batch key: decayed (stops, emitted tokens)
         self.costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)

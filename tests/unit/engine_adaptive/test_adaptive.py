@@ -688,7 +688,7 @@ def test_unmeasured_lengths_keep_the_calibrations_shape_under_noisy_measurements
     # Only γ=4 (5 tokens) runs at batch 2; its timings are noisy. The calibrated 3- and 7-token verifies never run:
     # they must sit where the calibration put them relative to the measured length, not drift with a product of
     # every change of its estimate.
-    from specrl.runtime.engine.adaptive import rescale_unmeasured
+    from specrl.runtime.engine.estimates import rescale_unmeasured
 
     cal = CostModel(target_step={2: 8e-3}, verify_step={2: {3: 9e-3, 5: 10e-3, 7: 13e-3}},
                     draft_step={"draft_model": {2: 1e-3}})
