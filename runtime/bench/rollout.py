@@ -9,9 +9,12 @@ serving shape (a queue refilling 16 slots) beside it. Target `builtin:bench`
 (distilled from it). `--quick` swaps in tiny randomly initialised models and a few prompts: a smoke test that
 runs in seconds, not a measurement.
 
-Everything runs in one process, **interleaved** (repeat r runs every configuration once before repeat r+1),
-and medians are reported: the machine is shared, so absolute numbers are noisy and only side-by-side ratios
-mean something.
+Everything runs in one process, repeat r running every configuration once before repeat r+1, and medians are
+reported. The long-tail workload, the serving shape and the sweep run their configurations **in lockstep**
+(`lockstep.py`): each on an engine of its own, one decode step each in turn, so every configuration is timed in
+the same seconds of a shared machine whose speed drifts by ±20% over seconds (measured: the same run with the same
+seeds repeated at 312–475 tokens per CPU-second; two copies of it in lockstep kept their ratio within 2%).
+Absolute numbers stay noisy; side-by-side ratios are what the benchmark measures.
 
 Measured: per configuration tokens/s, mean acceptance length, target decode forwards per generated token,
 speedup vs the engine's own AR, wall time of the last 10% of sequences (the tail); the adaptive controller on
@@ -26,6 +29,8 @@ token equality against AR).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gc
 import json
 import math
@@ -34,7 +39,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,7 @@ from ..engine.adaptive import AdaptiveController, AdaptiveSettings, label
 from ..engine.calibration import Calibration, calibrate
 from ..engine.control import Decision, FixedController, StepRecord
 from ..engine.model_runner import decoder_of
+from .lockstep import run_lockstep
 
 BENCH_SEED = 20260522
 TARGET = "builtin:bench"
@@ -191,27 +197,42 @@ def sampling(n: int, max_new_tokens: int, eos: int | None, offset: int = 0) -> l
 
 class Timeline:
     """Wraps a controller; timestamps completions so the tail (last 10% of sequences) can be timed, and sums each
-    decode step's tokens, CPU and wall seconds (controller included) by active batch size."""
+    decode step's tokens, CPU and wall seconds (controller included) by active batch size.
 
-    def __init__(self, inner: Any, engine: RolloutEngine) -> None:
+    In lockstep (`turn`: see `run_lockstep`) its clock (`now`) leaves out the time spent waiting for turns, and
+    CPU seconds are this thread's: what it reports is this run's own, as if it had run alone in the same minutes.
+    """
+
+    def __init__(self, inner: Any, engine: RolloutEngine, turn: Callable[[], None] | None = None) -> None:
         self.inner = inner
         self.engine = engine
+        self.turn = turn
+        self.cpu = time.process_time if turn is None else time.thread_time
         self.marks: list[tuple[float, int]] = []
         self.by_batch: dict[int, list[float]] = {}  # batch size -> [tokens, CPU seconds, wall seconds]
         self._start = (0.0, 0.0)
+        self._waited = 0.0
+
+    def now(self) -> float:
+        """Wall seconds, less those spent waiting for turns in lockstep."""
+        return time.perf_counter() - self._waited
 
     def decide(self, active_batch_size: int) -> Decision:
-        now = time.perf_counter()
+        if self.turn is not None:
+            waiting = time.perf_counter()
+            self.turn()
+            self._waited += time.perf_counter() - waiting
+        now = self.now()
         self.marks.append((now, self.engine.stats.requests_completed))
-        self._start = (time.process_time(), now)
+        self._start = (self.cpu(), now)
         return self.inner.decide(active_batch_size)
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
         self.inner.observe(decision, record)
         row = self.by_batch.setdefault(record.batch_size, [0.0, 0.0, 0.0])
         row[0] += record.emitted_tokens
-        row[1] += time.process_time() - self._start[0]
-        row[2] += time.perf_counter() - self._start[1]
+        row[1] += self.cpu() - self._start[0]
+        row[2] += self.now() - self._start[1]
 
     def stats(self) -> dict[str, Any]:
         inner = getattr(self.inner, "stats", None)
@@ -263,32 +284,29 @@ class RunResult:
 
 
 def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams],
-               max_batch: int | None = None, step_size: int | None = None) -> RunResult:
+               max_batch: int | None = None, step_size: int | None = None,
+               turn: Callable[[], None] | None = None) -> RunResult:
     """Decode `prompts` under `controller`. With `step_size`, as a synchronous RL rollout does: `step_size`
     prompts are admitted together, and the next ones only once the last response of those has ended (the next
     step's prompts wait for the policy update), so each step's batch only shrinks into its long tail. Without it,
-    as a server does: at most `max_batch` at a time, a finished sequence's slot going to the next prompt."""
+    as a server does: at most `max_batch` at a time, a finished sequence's slot going to the next prompt.
+
+    `turn`: this run is one of several in lockstep (`lockstep.run_lockstep`: called before every step); every
+    time it reports is its own (`Timeline`).
+    """
     engine.stats.reset()
-    timeline = Timeline(controller, engine)
+    timeline = Timeline(controller, engine, turn)
     engine.controller = timeline
-    # The garbage collector is off while timing, as in `timeit`: a cyclic collection walks every object of the
-    # process (models, engine, calibration records) and would land in whichever run crossed its threshold.
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _collector_off(turn is None):
         step = step_size or len(prompts) or 1
         outs, ends = [], []
-        cpu = time.process_time()
-        start = time.perf_counter()
+        cpu = timeline.cpu()
+        start = timeline.now()
         for i in range(0, len(prompts), step):
             outs += engine.generate(prompts[i:i + step], params[i:i + step], max_batch=max_batch)
-            ends.append(time.perf_counter())
-        end = time.perf_counter()
-        cpu = time.process_time() - cpu
-    finally:
-        if enabled:
-            gc.enable()
+            ends.append(timeline.now())
+        end = timeline.now()
+        cpu = timeline.cpu() - cpu
     n = len(prompts)
     # each rollout step's tail: from its (0.9 x its prompts)-th completion to its end
     tail = 0.0
@@ -306,6 +324,24 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
                      forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=tail,
                      lengths=[len(o.token_ids) for o in outs], by_batch=timeline.by_batch,
                      prefill_seconds=s.prefill_seconds)
+
+
+@contextlib.contextmanager
+def _collector_off(off: bool = True) -> Iterator[None]:
+    """The garbage collector off while timing, as in `timeit`: a cyclic collection walks every object of the
+    process (models, engine, calibration records) and would land in whichever run crossed its threshold. Runs in
+    lockstep leave it to their caller (one thread turning it back on would turn it on for the others)."""
+    if not off:
+        yield
+        return
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def med(xs: Sequence[float | None]) -> float | None:
@@ -612,11 +648,34 @@ def build_engine(models: Models, progress: Callable[[str], None]) -> tuple[Rollo
         except (ValueError, ImportError, AttributeError, NotImplementedError) as exc:
             skipped[m] = str(exc)
             progress(f"proposer {m} unavailable: {exc}")
+    return engine_like(models, available), available, skipped
+
+
+def engine_like(models: Models, available: Sequence[str]) -> RolloutEngine:
+    """Another engine as `build_engine` builds it (`available`: its proposers), for a run in lockstep."""
     spec = SpeculativeConfig(method=available[0], extra_methods=tuple(available[1:]), max_speculative_tokens=8) \
         if available else None
-    engine = RolloutEngine(models.target, speculative=spec, draft_model=models.draft, max_batch_size=BATCH,
-                           seed=BENCH_SEED, dtype=ENGINE_DTYPE)
-    return engine, available, skipped
+    return RolloutEngine(models.target, speculative=spec, draft_model=models.draft, max_batch_size=BATCH,
+                         seed=BENCH_SEED, dtype=ENGINE_DTYPE)
+
+
+def side_by_side(engines: Mapping[str, RolloutEngine], controllers: Mapping[str, Any], prompts: list[list[int]],
+                 params: list[SamplingParams], rotate: int = 0, max_batch: int | None = None,
+                 step_size: int | None = None) -> dict[str, RunResult]:
+    """`run_engine` for every configuration of `controllers` (name -> controller) on `engines[name]`, in lockstep
+    (`lockstep.run_lockstep`): one decode step each in turn, the ring's order rotated by `rotate` (no configuration
+    always steps right after the same one: a large drafter leaves the caches cold for whoever comes next)."""
+    names = list(controllers)
+    names = names[rotate % len(names):] + names[:rotate % len(names)]
+    jobs = [functools.partial(_lockstep_job, engines[n], controllers[n], prompts, params, max_batch, step_size)
+            for n in names]
+    with _collector_off():
+        return dict(zip(names, run_lockstep(jobs)))
+
+
+def _lockstep_job(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams],
+                  max_batch: int | None, step_size: int | None, turn: Callable[[], None]) -> RunResult:
+    return run_engine(engine, controller, prompts, params, max_batch=max_batch, step_size=step_size, turn=turn)
 
 
 def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]) -> dict[str, Any]:
@@ -650,6 +709,10 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     runs: dict[str, list[RunResult]] = {name: [] for name, _, _ in configs}
     runs["adaptive"] = []
     serving: dict[str, list[RunResult]] = {"ar": [], "adaptive": []}
+    # every configuration in lockstep on an engine of its own (`lockstep`), the adaptive policy on the calibrated one
+    progress("building an engine per configuration")
+    engines = {name: engine_like(models, available) for name, _, _ in configs}
+    engines["adaptive"] = engine
     for r in range(plan.repeats):
         # Fresh sampling seeds every repeat, the same for every configuration within it. With one set of seeds for
         # all repeats a fixed configuration sampled the very same texts six times over (every option is lossless:
@@ -658,17 +721,16 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         # over 0.81-1.05 with fresh seeds, a spread the repeats of one seed set hid and the best-of-eight pick
         # read as a lead.
         params = sampling(len(prompts), plan.max_new_tokens, models.eos_id, offset=1000 * r)
-        for name, method, gamma in configs:
-            progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: {name}")
-            runs[name].append(run_engine(engine, FixedController(method, gamma), prompts, params,
-                                         step_size=ROLLOUT_STEP))
-            advance()
-        progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: adaptive")
-        runs["adaptive"].append(run_engine(engine, adaptive, prompts, params, step_size=ROLLOUT_STEP))
+        progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: {len(configs) + 1} configurations in lockstep")
+        controllers: dict[str, Any] = {name: FixedController(method, gamma) for name, method, gamma in configs}
+        controllers["adaptive"] = adaptive
+        for name, x in side_by_side(engines, controllers, prompts, params, rotate=r, step_size=ROLLOUT_STEP).items():
+            runs[name].append(x)
         advance()
         progress(f"serving shape, repeat {r + 1}/{plan.repeats}")
-        for name, ctrl in (("ar", FixedController(None)), ("adaptive", adaptive)):
-            serving[name].append(run_engine(engine, ctrl, prompts, params))
+        for name, x in side_by_side(engines, {"ar": FixedController(None), "adaptive": adaptive}, prompts, params,
+                                    rotate=r).items():
+            serving[name].append(x)
 
     def summary(name: str) -> dict[str, Any]:
         rs = runs[name]
@@ -690,7 +752,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         config_rows.append(row)
     adaptive_summary = summary("adaptive")
     adaptive_summary["speedup_vs_ar"] = adaptive_summary["tokens_per_s"] / ar_tps if ar_tps else None
-    # per-repeat ratios (repeats are interleaved, so each ratio compares runs minutes apart at most)
+    # per-repeat ratios (configurations in lockstep: each ratio compares runs timed in the same seconds)
     adaptive_summary["speedup_vs_ar_per_repeat"] = paired(runs["adaptive"], runs["ar"])
     best_name = max((c for c in config_rows), key=lambda c: c["tokens_per_s"] or 0.0)["name"]
     adaptive_summary["vs_best_fixed"] = {"best_fixed": best_name, **paired(runs["adaptive"], runs[best_name])}
@@ -714,7 +776,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     common_mix = {**pooled, "best_fixed": mix_best, "adaptive_vs_ar": mix_ratio("adaptive", "ar"),
                   "adaptive_vs_best_fixed": mix_ratio("adaptive", mix_best), **held_out_best(per_config, fixed_names)}
 
-    sweep = run_sweep(plan, engine, models, available, adaptive, cal, progress, advance)
+    sweep = run_sweep(plan, engines, models, available, adaptive, cal, progress, advance)
     phase("sweep")
 
     # batch 1: engine AR vs speculative (the draft-model configuration the sweep measured fastest at batch 1,
@@ -775,8 +837,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     result: dict[str, Any] = {
         "quick": plan.quick,
         "repeats": plan.repeats,
-        "note": ("Medians of interleaved repeats in one process on a shared machine: absolute numbers are noisy; "
-                 "compare ratios."),
+        "note": ("Medians of repeats in one process on a shared machine, the compared configurations in lockstep "
+                 "(long tail, serving shape, sweep): absolute numbers are noisy; compare ratios."),
         "machine": machine_info(engine, load_start),
         "model": models.info,
         "workload": {"prompts": len(prompts), "batch_size": BATCH, "rollout_step": ROLLOUT_STEP,
@@ -824,7 +886,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     return result
 
 
-def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list[str],
+def run_sweep(plan: Plan, engines: Mapping[str, RolloutEngine], models: Models, available: list[str],
               adaptive: AdaptiveController, cal: Calibration, progress: Callable[[str], None],
               advance: Callable[[], None]) -> list[dict[str, Any]]:
     """Per batch size b: the long-tail workload's first max(`sweep_prompts_per_slot` x b, `sweep_min_prompts`)
@@ -834,8 +896,9 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
 
     EOS is honoured because text past it is no text a rollout produces: an earlier sweep ignored EOS to hold the
     batch, and every drafter's acceptance collapsed on what followed, a regime the policy had never seen.
-    The comparison uses tokens per CPU-second of this process (the clock the policy itself times steps with);
-    wall-clock rates are reported beside them."""
+    The configurations run in lockstep (`side_by_side`: `engines` holds one per configuration, the adaptive
+    policy's under "adaptive"). The comparison uses tokens per CPU-second of each run's thread (the clock the
+    policy itself times steps with); wall-clock rates of each run's own steps are reported beside them."""
     # the workload extends past its long-tail prompts where the largest batch needs more (`SyntheticTask` draws
     # prompt i from (seed, i) alone): capped at the 64 long-tail prompts, a run at batch 16 decoded ~1,100 tokens
     # there in about a second, the shortest measurement of the sweep (batch 1: ~3 s)
@@ -854,18 +917,13 @@ def run_sweep(plan: Plan, engine: RolloutEngine, models: Models, available: list
             n = size(b)
             prompts = base[:n]
             params = sampling(n, plan.max_new_tokens, models.eos_id, offset=10_000 + 100 * r)
-            # the order rotates from repeat to repeat: no option always runs right after the same one (a large
-            # drafter leaves the caches cold for whatever comes next) or always first in a minute of the machine
-            order = [*fixed, "adaptive"]
-            for name in order[r % len(order):] + order[:r % len(order)]:
-                progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b} {name}")
-                if name != "adaptive":
-                    m, g = fixed[name]
-                    runs[b][name].append(run_engine(engine, FixedController(m, g), prompts, params, max_batch=b))
-                    continue
-                before = Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {}))
-                runs[b]["adaptive"].append(run_engine(engine, adaptive, prompts, params, max_batch=b))
-                ran[b] += Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {})) - before
+            progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b}, {len(fixed) + 1} configurations in lockstep")
+            controllers: dict[str, Any] = {name: FixedController(m, g) for name, (m, g) in fixed.items()}
+            controllers["adaptive"] = adaptive
+            before = Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {}))
+            for name, x in side_by_side(engines, controllers, prompts, params, rotate=r, max_batch=b).items():
+                runs[b][name].append(x)
+            ran[b] += Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {})) - before
         advance()
     for b in plan.sweep_batch_sizes:
         cpu = {n: [x.rates_at(b)[0] for x in v] for n, v in runs[b].items()}
@@ -1193,8 +1251,7 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "json", None):
             Path(args.json).write_text(json.dumps(real, indent=2, default=_json_default))
         return 0
-    n_configs = len(FIXED_CONFIGS) + 1
-    total = 1 + plan.repeats * n_configs + plan.repeats + plan.repeats + 1
+    total = 1 + 3 * plan.repeats + 1  # calibration, then per repeat: long tail, sweep, batch 1; lossless
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("starting", total=total)
