@@ -64,7 +64,6 @@ def test_an_error_in_one_job_is_raised_once_the_others_have_ended() -> None:
     with pytest.raises(RuntimeError, match="step 1 failed"):
         run_lockstep([failing, fine])
     assert done == [1]  # the other job was not left waiting for a turn that never came
-    assert threading.active_count() < 10
 
 
 def test_ring_skips_a_member_that_left() -> None:
