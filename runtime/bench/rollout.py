@@ -667,15 +667,11 @@ def side_by_side(engines: Mapping[str, RolloutEngine], controllers: Mapping[str,
     always steps right after the same one: a large drafter leaves the caches cold for whoever comes next)."""
     names = list(controllers)
     names = names[rotate % len(names):] + names[:rotate % len(names)]
-    jobs = [functools.partial(_lockstep_job, engines[n], controllers[n], prompts, params, max_batch, step_size)
+    # each job is `run_engine` less its last argument, `turn`, which `run_lockstep` passes
+    jobs = [functools.partial(run_engine, engines[n], controllers[n], prompts, params, max_batch, step_size)
             for n in names]
     with _collector_off():
         return dict(zip(names, run_lockstep(jobs)))
-
-
-def _lockstep_job(engine: RolloutEngine, controller: Any, prompts: list[list[int]], params: list[SamplingParams],
-                  max_batch: int | None, step_size: int | None, turn: Callable[[], None]) -> RunResult:
-    return run_engine(engine, controller, prompts, params, max_batch=max_batch, step_size=step_size, turn=turn)
 
 
 def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]) -> dict[str, Any]:
