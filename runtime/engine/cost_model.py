@@ -200,6 +200,18 @@ class CostModel:
                 out[g] += linear_in_tokens(points, g + 1, ks) / t * w
         return out
 
+    def verify_seconds(self, batch: int, lengths: Iterable[int]) -> dict[int, float]:
+        """One target forward over k tokens per sequence at this batch size, in seconds, for every k in `lengths`
+        (k = 1: the plain step): linear in tokens between measured k, interpolated in log(b) between batch sizes."""
+        lengths = list(lengths)
+        out = dict.fromkeys(lengths, 0.0)
+        for b, w in _bracket(sorted(self.verify_step), batch):
+            points = {**self.verify_step[b], 1: self.target_step.get(b) or self.t_ar(b)}
+            ks = sorted(points)
+            for k in lengths:
+                out[k] += linear_in_tokens(points, k, ks) * w
+        return out
+
     def plain_step(self, batch: int) -> float:
         """The unit of the ratios at this batch size: the plain step, capped at the cheapest verification estimate
         here (calibrated or measured by steps). At one moment verifying γ+1 tokens never costs less than the

@@ -5,8 +5,14 @@ from the engine's step records.
   by what the steps themselves measure once two steps have: a low quantile of the last `window` samples per batch
   size and length (on a shared machine other processes only ever add time); plain decoding's of the last
   `horizon` steps only (the policy's plain rechecks keep it current: every forward's cost grows with the rows'
-  contexts). A length no step has measured keeps its calibrated cost relative to the nearest measured one
-  (`rescale_unmeasured`).
+  contexts). The verify and draft costs of one batch size are pooled over its lengths (`pooled_lengths`): each
+  length's estimate is its calibrated cost times the batch size's level (what every length there costs now against
+  the calibration, plain steps included for the verifier) and, as it gathers samples of its own, its own ratio
+  (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
+  sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length with it and priced
+  γ=6 at 4.65 plain steps where it ran at 2.6 (fixed γ=6 ran 1.46x plain decoding there, the policy chose γ=2).
+  Without a calibration a length no step has measured keeps its first estimate relative to the nearest measured
+  one (`rescale_unmeasured`).
 * **acceptance**: α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. Per
   draft position j, p_j is α_m times the shape of acceptance over the positions: the same ratio at position j over
   all of them, each counted over a longer window (`shape_memory`; position j's shrunk towards position j−1's by
@@ -43,6 +49,9 @@ MIN_TRIED = 32  # draft tokens of acceptance evidence before a proposer's α is 
 POSITION_PRIOR = 64.0  # tokens of evidence the previous position's acceptance counts for at the next
 STOP_PRIOR = 64.0  # emitted tokens without a stop the stop hazard starts from
 RECENT_MIN = 3  # plain samples its estimate reads at least, however old (see `AdaptiveSettings.horizon`)
+# Samples of its own a length needs before they count as much as its batch size's level (`pooled_lengths`): a single
+# step is noisy (tens of percent on a shared machine), the calibration's shape over lengths much less so.
+LENGTH_PRIOR = 8.0
 
 
 def batch_key(batch: int) -> int:
@@ -72,6 +81,9 @@ class Estimates:
         self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
         self._samples: dict[tuple, deque[tuple[int, float]]] = {}  # per quantity: (step, seconds), oldest first
+        # per ("verify", b) or ("draft", m, b): the costs of every length there against its base, newest last
+        self._levels: dict[tuple, deque[float]] = {}
+        self._verify_base: dict[int, dict[int, float]] = {}  # per b: the calibration's verify seconds per length
         self.last_run: dict[str | None, int] = {}  # option (None: plain) -> step it last ran
         self._last_method: str | None = None
 
@@ -180,7 +192,11 @@ class Estimates:
             if self.costs is None:
                 self.costs = CostModel(target_step={b: t}, verify_step={})
             self.costs.target_step[b] = t
-            self._follow(b)
+            if (base := self._verify_base_at(b)) is not None:
+                self._level(("verify", b), record.seconds / base[1])
+                self._pool_verify(b, base)
+            else:
+                self._follow(b)
             return
         if record.tried_tokens > 0:  # α = accepted / tried over a decaying window of tokens (the MLE)
             keep = math.exp(-record.tried_tokens / self.settings.alpha_memory)
@@ -205,9 +221,14 @@ class Estimates:
             return
         k = decision.gamma + 1
         by_k = c.verify_step.setdefault(b, {})
-        old = by_k.get(k)
-        by_k[k] = self._sample(("verify", b, k), record.target_seconds, old, step)
-        self._follow(b)
+        base = self._verify_base_at(b)
+        if base is not None and k in base:
+            self._sample(("verify", b, k), record.target_seconds, None, step)
+            self._level(("verify", b), record.target_seconds / base[k])
+            self._pool_verify(b, base)
+        else:
+            by_k[k] = self._sample(("verify", b, k), record.target_seconds, by_k.get(k), step)
+            self._follow(b)
         g = decision.gamma
         if not c.knows(method):  # first ever measurement: an upper bound until a steady step comes
             c.draft_round[method] = {b: {g: record.draft_seconds}}
@@ -218,11 +239,49 @@ class Estimates:
                 by_g = c.draft_round[method][b] = {
                     k: x * t for k, x in c.draft_ratios(method, b, self.settings.gammas()).items()}
                 self._draft_predicted[(method, b)] = dict(by_g)
-            by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g), step)
             predicted = self._draft_predicted.get((method, b))
-            if predicted:  # the draft lengths no step has measured move with the measured ones
-                measured = {k for k in by_g if ("draft", method, b, k) in self._samples}
-                by_g.update(rescale_unmeasured(by_g, predicted, measured, predicted.__getitem__))
+            if predicted and g in predicted and all(x > 0 for x in predicted.values()):
+                self._sample(("draft", method, b, g), record.draft_seconds, None, step)
+                self._level(("draft", method, b), record.draft_seconds / predicted[g])
+                by_g.update(self._pooled(("draft", method, b), predicted))
+            else:  # a free drafter (n-gram: predicted at 0): its measured lengths, the others scaled alike
+                by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g), step)
+                if predicted:
+                    measured = {k for k in by_g if ("draft", method, b, k) in self._samples}
+                    by_g.update(rescale_unmeasured(by_g, predicted, measured, predicted.__getitem__))
+
+    def _verify_base_at(self, b: int) -> dict[int, float] | None:
+        """The calibration's verify seconds at batch b for every length it knows, the plain step as length 1
+        (interpolated between calibrated batch sizes; None without a calibrated verification)."""
+        base = self._verify_base.get(b)
+        if base is None:
+            cal = self._calibrated
+            if cal is None or not cal.verify_step:
+                return None
+            lengths = sorted({k for by_k in cal.verify_step.values() for k in by_k} | {1})
+            base = self._verify_base[b] = cal.verify_seconds(b, lengths)
+        return base
+
+    def _level(self, key: tuple, ratio: float) -> None:
+        window = self._levels.get(key)
+        if window is None:
+            window = self._levels[key] = deque(maxlen=self.settings.window)
+        window.append(ratio)
+
+    def _pooled(self, key: tuple, base: Mapping[int, float]) -> dict[int, float]:
+        """`pooled_lengths` for the quantity `key` (("verify", b) or ("draft", m, b)) over `base`."""
+        own = {}
+        for k in base:
+            window = self._samples.get((*key, k))
+            if window:
+                own[k] = (len(window), low_percentile([v for _, v in window], 0.25) / base[k])
+        return pooled_lengths(base, list(self._levels.get(key, ())), own)
+
+    def _pool_verify(self, b: int, base: Mapping[int, float]) -> None:
+        pooled = self._pooled(("verify", b), base)
+        del pooled[1]  # the plain step keeps its own estimate (recent samples only)
+        assert self.costs is not None
+        self.costs.verify_step.setdefault(b, {}).update(pooled)
 
     def _follow(self, b: int) -> None:
         """Re-derive the verify costs at batch b that no step has measured: each calibrated length at what the
@@ -244,6 +303,20 @@ class Estimates:
             measured.add(1)
         points = {**cal, 1: self._calibrated.target_step.get(b) or self._calibrated.t_ar(b)}
         verify.update(rescale_unmeasured(now, cal, measured, lambda k: linear_in_tokens(points, k)))
+
+
+def pooled_lengths(base: Mapping[int, float], level: Sequence[float], own: Mapping[int, tuple[int, float]]
+                   ) -> dict[int, float]:
+    """Every length k of `base` (its calibrated seconds) at base[k] × its ratio now: the batch size's level (a low
+    quantile of `level`, the recent ratios of every length there; after one sample, its mean with the
+    calibration's 1, as `Estimates._sample` does) and, where k has `n` samples of its own with ratio `r`
+    (`own[k] = (n, r)`), r weighted by n against `LENGTH_PRIOR` samples of the level."""
+    at = (1.0 + level[0]) / 2 if len(level) == 1 else low_percentile(level, 0.25) if level else 1.0
+    out = {}
+    for k, x in base.items():
+        count, ratio = own.get(k, (0, at))
+        out[k] = x * (count * ratio + LENGTH_PRIOR * at) / (count + LENGTH_PRIOR)
+    return out
 
 
 def rescale_unmeasured(current: Mapping[int, float], base: Mapping[int, float], measured: Collection[int],
