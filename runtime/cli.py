@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
             b.add_argument("--model", default=None, metavar="NAME",
                            help="a real checkpoint (e.g. builtin:smollm2-135m): chat prompts, every native proposer "
                                 "vs plain decoding vs transformers, and the batch-1 roofline")
+            b.add_argument("--seed", type=int, default=None, metavar="N",
+                           help="first sampling seed of the engine runs (default: the workload's); a fixed "
+                                "configuration samples the same texts whenever the seed is the same")
 
     p = _command(sub, "simulate", "simulate an RL job at cluster scale (a cost model; no torch needed)",
                  "Compares plain decoding, speculative decoding, the best static trainer/rollout split and the\n"

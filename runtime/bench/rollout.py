@@ -54,6 +54,8 @@ from ..engine.model_runner import decoder_of
 from .lockstep import run_lockstep
 
 BENCH_SEED = 20260522
+TWIN = "fixed-on-other-texts"  # the ring's control (`other_texts`), sampling from seeds this far from the others
+TWIN_SEED_OFFSET = 500_000
 TARGET = "builtin:bench"
 DRAFT = "builtin:bench-draft"
 BATCH = 16
@@ -107,12 +109,16 @@ class Plan:
     lossless_samples: int
     calibration_batch_sizes: tuple[int, ...]
     calibration_rounds: int
+    # the engine runs' sampling seeds start here (the prompts stay the workload's): a fixed configuration samples
+    # the same texts whenever its seeds are the same, so two runs are two draws of the texts only with two seeds
+    seed: int = BENCH_SEED
 
     @classmethod
-    def make(cls, quick: bool, repeats: int | None) -> Plan:
+    def make(cls, quick: bool, repeats: int | None, seed: int | None = None) -> Plan:
+        s = BENCH_SEED if seed is None else seed
         if quick:
-            return cls(True, repeats or 1, 6, 12, (1, 3), 2, 2, 1, 1, 300, (1, 3), 1)
-        return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 8, 32, 6, 4, 4000, (1, 2, 4, 8, 16), 2)
+            return cls(True, repeats or 1, 6, 12, (1, 3), 2, 2, 1, 1, 300, (1, 3), 1, s)
+        return cls(False, repeats or 3, 64, 192, (1, 2, 4, 8, 16), 8, 32, 6, 4, 4000, (1, 2, 4, 8, 16), 2, s)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,10 +191,11 @@ def workload(n: int) -> list[list[int]]:
     return [prompt_token_ids(p, tok) for p in SyntheticTask(n, seed=BENCH_SEED)]
 
 
-def sampling(n: int, max_new_tokens: int, eos: int | None, offset: int = 0) -> list[SamplingParams]:
+def sampling(n: int, max_new_tokens: int, eos: int | None, offset: int = 0, seed: int = BENCH_SEED
+             ) -> list[SamplingParams]:
     stops = (eos,) if eos is not None else ()
     return [SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                           seed=BENCH_SEED + offset + i) for i in range(n)]
+                           seed=seed + offset + i) for i in range(n)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -661,15 +668,18 @@ def engine_like(models: Models, available: Sequence[str]) -> RolloutEngine:
 
 def side_by_side(engines: Mapping[str, RolloutEngine], controllers: Mapping[str, Any], prompts: list[list[int]],
                  params: list[SamplingParams], rotate: int = 0, max_batch: int | None = None,
-                 step_size: int | None = None) -> dict[str, RunResult]:
+                 step_size: int | None = None,
+                 own_params: Mapping[str, list[SamplingParams]] | None = None) -> dict[str, RunResult]:
     """`run_engine` for every configuration of `controllers` (name -> controller) on `engines[name]`, in lockstep
     (`lockstep.run_lockstep`): one decode step each in turn, the ring's order rotated by `rotate` (no configuration
-    always steps right after the same one: a large drafter leaves the caches cold for whoever comes next)."""
+    always steps right after the same one: a large drafter leaves the caches cold for whoever comes next).
+    `own_params`: sampling parameters of their own for some configurations (others get `params`)."""
     names = list(controllers)
     names = names[rotate % len(names):] + names[:rotate % len(names)]
+    own = own_params or {}
     # each job is `run_engine` less its last argument, `turn`, which `run_lockstep` passes
-    jobs = [functools.partial(run_engine, engines[n], controllers[n], prompts, params, max_batch, step_size)
-            for n in names]
+    jobs = [functools.partial(run_engine, engines[n], controllers[n], prompts, own.get(n, params), max_batch,
+                              step_size) for n in names]
     with _collector_off():
         return dict(zip(names, run_lockstep(jobs)))
 
@@ -709,6 +719,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     progress("building an engine per configuration")
     engines = {name: engine_like(models, available) for name, _, _ in configs}
     engines["adaptive"] = engine
+    engines[TWIN] = engine_like(models, available)
+    twins: list[tuple[str, RunResult]] = []  # per repeat from the second: (the configuration, its run on other texts)
     for r in range(plan.repeats):
         # Fresh sampling seeds every repeat, the same for every configuration within it. With one set of seeds for
         # all repeats a fixed configuration sampled the very same texts six times over (every option is lossless:
@@ -716,12 +728,27 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         # responses, which decide the batch-1 and batch-2 phases: draft_model γ=4 against γ=6 per repeat spread
         # over 0.81-1.05 with fresh seeds, a spread the repeats of one seed set hid and the best-of-eight pick
         # read as a lead.
-        params = sampling(len(prompts), plan.max_new_tokens, models.eos_id, offset=1000 * r)
-        progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: {len(configs) + 1} configurations in lockstep")
+        params = sampling(len(prompts), plan.max_new_tokens, models.eos_id, offset=1000 * r, seed=plan.seed)
         controllers: dict[str, Any] = {name: FixedController(method, gamma) for name, method, gamma in configs}
         controllers["adaptive"] = adaptive
-        for name, x in side_by_side(engines, controllers, prompts, params, rotate=r, step_size=ROLLOUT_STEP).items():
-            runs[name].append(x)
+        # From the second repeat on, the fixed configuration the earlier repeats rank best also runs on texts of its
+        # own: how far the same configuration moves with its texts is the resolution of every comparison here
+        # (a fixed configuration samples the same texts whenever the seeds are the same; draft_model γ=6 on the
+        # default seeds ran 2-4% above itself on two other seed sets, and a policy drawing γ from 5-7 at random
+        # 6% below it)
+        twin = _leader(runs, [name for name, method, _ in configs if method]) if r else None
+        own: dict[str, list[SamplingParams]] = {}
+        if twin is not None:
+            controllers[TWIN] = FixedController(*next((m, g) for name, m, g in configs if name == twin))
+            own[TWIN] = sampling(len(prompts), plan.max_new_tokens, models.eos_id, offset=1000 * r,
+                                 seed=plan.seed + TWIN_SEED_OFFSET)
+        progress(f"long-tail workload, repeat {r + 1}/{plan.repeats}: {len(controllers)} configurations in lockstep")
+        for name, x in side_by_side(engines, controllers, prompts, params, rotate=r, step_size=ROLLOUT_STEP,
+                                    own_params=own).items():
+            if name == TWIN:
+                twins.append((twin or "", x))
+            else:
+                runs[name].append(x)
         advance()
         progress(f"serving shape, repeat {r + 1}/{plan.repeats}")
         for name, x in side_by_side(engines, {"ar": FixedController(None), "adaptive": adaptive}, prompts, params,
@@ -770,7 +797,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     per_config = {n: [x[n] for x in per_repeat] for n in pooled["tokens_per_cpu_s"]}
     fixed_names = [n for n, v in per_config.items() if n != "adaptive" and all(v)]
     common_mix = {**pooled, "best_fixed": mix_best, "adaptive_vs_ar": mix_ratio("adaptive", "ar"),
-                  "adaptive_vs_best_fixed": mix_ratio("adaptive", mix_best), **held_out_best(per_config, fixed_names)}
+                  "adaptive_vs_best_fixed": mix_ratio("adaptive", mix_best), **held_out_best(per_config, fixed_names),
+                  "fixed_on_other_texts": other_texts(runs, twins)}
 
     sweep = run_sweep(plan, engines, models, available, adaptive, cal, progress, advance)
     phase("sweep")
@@ -799,7 +827,8 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
             if key == "ar":
                 pairs.before()
             for i, p in enumerate(bs1_prompts):
-                res = run_engine(engine, ctrl, [p], sampling(1, plan.max_new_tokens, models.eos_id, offset=i))
+                params = sampling(1, plan.max_new_tokens, models.eos_id, offset=i, seed=plan.seed)
+                res = run_engine(engine, ctrl, [p], params)
                 tok, sec = tok + res.tokens, sec + res.seconds
                 decode_tok, decode_sec = decode_tok + res.decode_tokens, decode_sec + res.decode_seconds
             bs1[key].append(tok / sec)
@@ -842,8 +871,9 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
                      # plain decoding's time after 90% of each step's responses have ended
                      "ar_tail_share": med([x.tail_seconds / x.seconds for x in runs["ar"] if x.seconds > 0]),
                      "prompt_tokens_mean": sum(map(len, prompts)) / max(1, len(prompts)),
-                     "max_new_tokens": plan.max_new_tokens, "seed": BENCH_SEED,
-                     "sampling_seeds": "seed + 1000 x repeat + prompt index (every configuration alike)",
+                     "max_new_tokens": plan.max_new_tokens, "seed": BENCH_SEED, "sampling_seed": plan.seed,
+                     "sampling_seeds": (f"sampling_seed + 1000 x repeat + prompt index (every configuration alike; "
+                                        f"{TWIN}: + {TWIN_SEED_OFFSET})"),
                      "response_tokens": summary("ar")["tokens"],
                      "response_length": length_stats([n for x in runs["ar"] for n in x.lengths]),
                      # the simulator's calibration check replays exactly these lengths (specrl simulate --from-bench)
@@ -912,7 +942,7 @@ def run_sweep(plan: Plan, engines: Mapping[str, RolloutEngine], models: Models, 
         for b in plan.sweep_batch_sizes:
             n = size(b)
             prompts = base[:n]
-            params = sampling(n, plan.max_new_tokens, models.eos_id, offset=10_000 + 100 * r)
+            params = sampling(n, plan.max_new_tokens, models.eos_id, offset=10_000 + 100 * r, seed=plan.seed)
             progress(f"sweep, repeat {r + 1}/{plan.repeats}: batch {b}, {len(fixed) + 1} configurations in lockstep")
             controllers: dict[str, Any] = {name: FixedController(m, g) for name, (m, g) in fixed.items()}
             controllers["adaptive"] = adaptive
@@ -945,6 +975,27 @@ def run_sweep(plan: Plan, engines: Mapping[str, RolloutEngine], models: Models, 
                      # steps at exactly b per option in the sweep's adaptive runs (probes included)
                      "adaptive_ran": dict(ran[b].most_common())})
     return rows
+
+
+def _leader(runs: Mapping[str, Sequence[RunResult]], names: Sequence[str]) -> str | None:
+    """The configuration among `names` with the highest common-mix rate over the repeats so far."""
+    rates = mix_rates({n: runs[n] for n in ("ar", *names)}, "ar")["tokens_per_cpu_s"]
+    return max(names, key=lambda n: rates.get(n) or 0.0, default=None)
+
+
+def other_texts(runs: Mapping[str, Sequence[RunResult]], twins: Sequence[tuple[str, RunResult]]) -> dict[str, Any]:
+    """Repeat by repeat from the second, the leading fixed configuration's common-mix rate on texts of its own (other
+    sampling seeds) against its rate on the repeat's texts: a comparison whose truth is 1, so its spread is what
+    the texts alone move a ratio by."""
+    ratios, picked = [], []
+    for r, (name, twin) in enumerate(twins, start=1):
+        rates = mix_rates({"ar": runs["ar"][r:r + 1], name: runs[name][r:r + 1], TWIN: [twin]},
+                          "ar")["tokens_per_cpu_s"]
+        if rates[name] and rates[TWIN]:
+            ratios.append(rates[TWIN] / rates[name])
+            picked.append(name)
+    return {"configs": picked, "ratios": [round(x, 3) for x in ratios], "spread": spread(ratios),
+            "interval": ratio_interval(ratios)}
 
 
 def held_out_best(rates: Mapping[str, Sequence[float]], fixed: Sequence[str]) -> dict[str, Any]:
@@ -1221,7 +1272,7 @@ def main(args: argparse.Namespace) -> int:
     if repeats is not None and repeats < 1:
         print("specrl bench rollout: --repeats must be >= 1", file=sys.stderr)
         return 2
-    plan = Plan.make(bool(getattr(args, "quick", False)), repeats)
+    plan = Plan.make(bool(getattr(args, "quick", False)), repeats, getattr(args, "seed", None))
     threads = bench_threads()
     torch.set_num_threads(threads)
     try:
@@ -1268,6 +1319,10 @@ def main(args: argparse.Namespace) -> int:
               f"{(mix['adaptive_vs_best_fixed']['ratio'] or 0):.2f}× the best fixed ({mix['best_fixed']}); "
               f"per repeat {mix['adaptive_vs_best_fixed']['ratios']}; vs the best of the other repeats "
               f"{(mix['adaptive_vs_held_out_best'] or 0):.2f}×")
+    null = mix["fixed_on_other_texts"]
+    if null["ratios"]:
+        out.print(f"the same fixed configuration on other texts ({', '.join(dict.fromkeys(null['configs']))}): "
+                  f"{null['ratios']}{_interval_text(null['interval'])} — what the texts alone move a ratio by")
     for row in result["sweep"]:
         out.print(f"sweep b={row['batch_size']}: best fixed {row['best_fixed']} "
                   f"{row['tokens_per_cpu_s'][row['best_fixed']]:.1f} tok/CPU-s, adaptive "

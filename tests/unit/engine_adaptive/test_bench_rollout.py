@@ -65,6 +65,8 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     assert mix["best_fixed"] in names and mix["buckets"] and len(mix["reference_tokens"]) == len(mix["buckets"])
     assert r["targets"]["adaptive_vs_best_fixed"]["value"] == mix["adaptive_vs_best_fixed"]["ratio"] > 0
     assert mix["adaptive_vs_held_out_best"] is None and mix["held_out_best_per_repeat"] == []  # one repeat
+    assert mix["fixed_on_other_texts"]["ratios"] == []  # the control runs from the second repeat on
+    assert r["workload"]["sampling_seed"] == r["workload"]["seed"]  # no --seed: the workload's
 
 
 def test_bench_helpers() -> None:
@@ -116,6 +118,33 @@ def test_common_mix_compares_rates_not_tails() -> None:
     assert rates["same_rates"] == rates["ar"] == 1010 / 2.2
     assert rates["twice_as_fast"] == 2 * rates["ar"]
     assert out["buckets"] == [[1, 1], [16, 16]] and out["reference_tokens"] == [10, 1000]
+
+
+def test_the_leading_fixed_configuration_against_itself_on_other_texts() -> None:
+    # The control of the long-tail ring: from the second repeat on, the configuration the earlier repeats rank best
+    # also runs on texts of its own; each repeat's ratio is its common-mix rate there against its rate on the
+    # repeat's texts, whatever the other configurations did.
+    from specrl.runtime.bench.rollout import TWIN, RunResult, _leader, other_texts, sampling
+
+    def run(rate_1: float, rate_16: float) -> RunResult:
+        by_batch = {1: [10.0, 10.0 / rate_1, 0.0], 16: [100.0, 100.0 / rate_16, 0.0]}
+        return RunResult(tokens=110, seconds=1.0, cpu_seconds=sum(v[1] for v in by_batch.values()),
+                         acceptance_length=None, forwards_per_token=1.0, tail_seconds=0.0, by_batch=by_batch)
+
+    runs = {"ar": [run(10, 100), run(10, 100), run(10, 100)],
+            "g4": [run(20, 200), run(20, 150), run(20, 150)],
+            "g6": [run(30, 150), run(30, 200), run(30, 200)]}
+    assert _leader({n: rs[:1] for n, rs in runs.items()}, ["g4", "g6"]) == "g6"
+    assert _leader({"ar": runs["ar"][:1], "g4": [run(40, 400)], "g6": runs["g6"][:1]}, ["g4", "g6"]) == "g4"
+    same, slower = run(30, 200), run(15, 200)  # g6 on other texts: the same rates, then half as fast at batch 1
+    out = other_texts(runs, [("g6", same), ("g6", slower)])
+    assert out["configs"] == ["g6", "g6"] and out["ratios"][0] == 1.0
+    # mix: 10 tokens at batch 1 and 100 at 16: 110 / (10/30 + 100/200) against 110 / (10/15 + 100/200)
+    assert out["ratios"][1] == pytest.approx(round((10 / 30 + 0.5) / (10 / 15 + 0.5), 3))
+    assert out["interval"] is not None and TWIN not in runs
+    assert other_texts(runs, [])["ratios"] == [] and other_texts(runs, [])["interval"] is None
+    # the seed moves every sampling seed, the prompts stay
+    assert [p.seed for p in sampling(2, 8, None, offset=1000, seed=7)] == [1007, 1008]
 
 
 def test_held_out_best_removes_the_winners_curse() -> None:
