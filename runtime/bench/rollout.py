@@ -18,10 +18,11 @@ Absolute numbers stay noisy; side-by-side ratios are what the benchmark measures
 
 Measured: per configuration tokens/s, mean acceptance length, target decode forwards per generated token,
 speedup vs the engine's own AR, wall time of the last 10% of sequences (the tail); the adaptive controller on
-the same workload; HF `generate` batched AR and HF assisted generation at batch 1; the engine at batch 1 (AR
-vs speculative); a memory-bandwidth probe and the batch-1 decode roofline; a per-batch-size sweep (each fixed
-configuration vs the adaptive controller, the workload's prompts at most b at a time, rates of the decode steps at
-exactly b); and the lossless checks' p-values (χ² goodness of fit of short
+the same workload; as its control, the fixed configuration the earlier repeats rank best on texts of its own
+(other sampling seeds: how far the texts alone move a ratio); HF `generate` batched AR and HF assisted generation
+at batch 1; the engine at batch 1 (AR vs speculative); a memory-bandwidth probe and the batch-1 decode roofline; a
+per-batch-size sweep (each fixed configuration vs the adaptive controller, the workload's prompts at most b at a
+time, rates of the decode steps at exactly b); and the lossless checks' p-values (χ² goodness of fit of short
 sequences sampled through the engine against the target's exact distribution, for every proposer, plus greedy
 token equality against AR).
 """

@@ -83,6 +83,7 @@ class Estimates:
         self._samples: dict[tuple, deque[tuple[int, float]]] = {}  # per quantity: (step, seconds), oldest first
         # per ("verify", b) or ("draft", m, b): the costs of every length there against its base, newest last
         self._levels: dict[tuple, deque[float]] = {}
+        self._own: dict[tuple, dict[int, tuple[int, float]]] = {}  # the same keys: per length, (samples, own ratio)
         self._verify_base: dict[int, dict[int, float]] = {}  # per b: the calibration's verify seconds per length
         self.last_run: dict[str | None, int] = {}  # option (None: plain) -> step it last ran
         self._last_method: str | None = None
@@ -223,7 +224,8 @@ class Estimates:
         by_k = c.verify_step.setdefault(b, {})
         base = self._verify_base_at(b)
         if base is not None and k in base:
-            self._sample(("verify", b, k), record.target_seconds, None, step)
+            self._own_ratio(("verify", b), k, self._sample(("verify", b, k), record.target_seconds, None, step),
+                            base[k])
             self._level(("verify", b), record.target_seconds / base[k])
             self._pool_verify(b, base)
         else:
@@ -241,7 +243,8 @@ class Estimates:
                 self._draft_predicted[(method, b)] = dict(by_g)
             predicted = self._draft_predicted.get((method, b))
             if predicted and g in predicted and all(x > 0 for x in predicted.values()):
-                self._sample(("draft", method, b, g), record.draft_seconds, None, step)
+                self._own_ratio(("draft", method, b), g,
+                                self._sample(("draft", method, b, g), record.draft_seconds, None, step), predicted[g])
                 self._level(("draft", method, b), record.draft_seconds / predicted[g])
                 by_g.update(self._pooled(("draft", method, b), predicted))
             else:  # a free drafter (n-gram: predicted at 0): its measured lengths, the others scaled alike
@@ -268,14 +271,13 @@ class Estimates:
             window = self._levels[key] = deque(maxlen=self.settings.window)
         window.append(ratio)
 
+    def _own_ratio(self, key: tuple, k: int, estimate: float, base: float) -> None:
+        """Keep length k's own (samples, ratio to its base) for `pooled_lengths` (`estimate`: `_sample`'s)."""
+        self._own.setdefault(key, {})[k] = (len(self._samples[key + (k,)]), estimate / base)
+
     def _pooled(self, key: tuple, base: Mapping[int, float]) -> dict[int, float]:
         """`pooled_lengths` for the quantity `key` (("verify", b) or ("draft", m, b)) over `base`."""
-        own = {}
-        for k in base:
-            window = self._samples.get((*key, k))
-            if window:
-                own[k] = (len(window), low_percentile([v for _, v in window], 0.25) / base[k])
-        return pooled_lengths(base, list(self._levels.get(key, ())), own)
+        return pooled_lengths(base, list(self._levels.get(key, ())), self._own.get(key, {}))
 
     def _pool_verify(self, b: int, base: Mapping[int, float]) -> None:
         pooled = self._pooled(("verify", b), base)
