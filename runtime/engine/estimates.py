@@ -10,7 +10,8 @@ from the engine's step records.
   the calibration, plain steps included for the verifier) and, as it gathers samples of its own, its own ratio
   (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
   sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length with it and priced
-  γ=6 at 4.65 plain steps where it ran at 2.6 (fixed γ=6 ran 1.46x plain decoding there, the policy chose γ=2).
+  γ=6 at 4.65 plain steps where its rounds cost about 2.6 (fixed γ=6 ran 1.46x plain decoding there; the policy
+  chose γ=2).
   Without a calibration a length no step has measured keeps its first estimate relative to the nearest measured
   one (`rescale_unmeasured`).
 * **acceptance**: α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. Per
