@@ -713,9 +713,10 @@ def test_unmeasured_lengths_keep_the_calibrations_shape_under_noisy_measurements
 
 
 def test_one_slow_step_of_one_length_does_not_reprice_the_others() -> None:
-    # In a rollout's tail a batch size is visited for a few steps. At batch 16 the policy ran γ=2 for most of them
-    # and γ=4 once, in a slow step (1.7x its calibrated cost); priced per length, that one sample rescaled every
-    # longer length with it (γ=6 at 4.65 plain steps where it ran at 2.6) and the policy kept drafting γ=2.
+    # In a rollout's tail a batch size is visited for a few steps. On the benchmark, at batch 16, the policy ran γ=2
+    # for most of them and γ=4 once, in a slow step; priced per length, that one sample rescaled every longer length
+    # with it (γ=6 at 4.65 plain steps where its rounds cost about 2.6) and the policy kept drafting γ=2. Here the
+    # slow step costs 1.7x its calibration.
     from specrl.runtime.engine.estimates import LENGTH_PRIOR, pooled_lengths
 
     lengths = range(1, 10)
