@@ -238,7 +238,8 @@ class CostModel:
 
     def draft_ratios(self, method: str, batch: int, gammas: Iterable[int]) -> dict[int, float]:
         """A round's drafting with each γ in `gammas`, in plain steps at this batch size: linear in γ between the
-        measured draft lengths (never downhill beyond them), or γ·r + a where a batch size has no measured rounds."""
+        measured draft lengths (never downhill beyond them, never below proportional under the shortest), or γ·r + a
+        where a batch size has no measured rounds."""
         gammas = list(gammas)
         rounds = self.draft_round.get(method, {})
         per_token, per_round = self.draft_step.get(method, {}), self.overhead.get(method, {})
@@ -253,7 +254,11 @@ class CostModel:
                 ks = sorted(points)
                 for g in gammas:
                     x = points.get(g)
-                    out[g] += (x if x is not None else linear_in_tokens(points, g, ks)) / t * w
+                    if x is None:
+                        x = linear_in_tokens(points, g, ks)
+                        if g < ks[0]:  # never below its share of the shortest measured draft (noise can make
+                            x = max(x, points[ks[0]] * g / ks[0])  # the line's intercept negative)
+                    out[g] += x / t * w
             else:
                 c, a = per_token[b], per_round.get(b, 0.0)
                 for g in gammas:

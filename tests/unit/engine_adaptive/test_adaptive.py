@@ -747,6 +747,38 @@ def test_one_slow_step_of_one_length_does_not_reprice_the_others() -> None:
         {1: pytest.approx((5.0 + LENGTH_PRIOR) / (1 + LENGTH_PRIOR))}
 
 
+def test_a_calibrated_batch_sizes_draft_lengths_are_pooled_too() -> None:
+    # The calibration times drafting at γ=2 and γ=6 at every batch size it calibrates. Priced per length there,
+    # the lengths the steps timed moved alone: on the benchmark at batch 2 drafting γ=3 stood at 0.56 plain steps and
+    # γ=4 at 0.43 (calibration: 0.24 and 0.28), and the policy drafted γ=5 where fixed γ=6 ran faster. Here the
+    # steps' drafting costs 1.5x the calibration at every length, γ=4 runs, and γ=3 runs twice in a slow minute.
+    from specrl.runtime.engine.estimates import LENGTH_PRIOR
+
+    t = 8e-3
+    cal = CostModel(target_step={2: t}, verify_step={2: {k: t * (1 + 0.1 * (k - 1)) for k in (3, 7)}},
+                    draft_round={"draft_model": {2: {2: 0.2 * t, 6: 0.4 * t}}})
+    ctrl = AdaptiveController(["draft_model"], cost_model=cal, alpha_priors={"draft_model": 0.85},
+                              settings=AdaptiveSettings(probe=0.0))
+    calibrated_draft = {g: x * t for g, x in cal.draft_ratios("draft_model", 2, range(1, 9)).items()}
+    for i in range(24):
+        d, slow = (Decision("draft_model", 3), 2.5) if i in (5, 6) else (Decision("draft_model", 4), 1.5)
+        drafting = calibrated_draft[d.gamma] * slow
+        ctrl.observe(d, record(d, 2, accepted=d.gamma, seconds=drafting + 1.2 * t, draft_seconds=drafting,
+                               tried=d.gamma))
+    assert ctrl.costs is not None
+    drafts = ctrl.costs.draft_round["draft_model"][2]
+    assert sorted(drafts) == list(range(1, 9))
+    assert all(drafts[g] < drafts[g + 1] for g in range(1, 8)), drafts  # the calibration's shape kept
+    for g in (1, 2, 5, 6, 7, 8):  # lengths no step timed: the batch size's level, 1.5x
+        assert drafts[g] / calibrated_draft[g] == pytest.approx(1.5, rel=0.02)
+    assert drafts[3] / calibrated_draft[3] == pytest.approx((2 * 2.5 + LENGTH_PRIOR * 1.5) / (2 + LENGTH_PRIOR),
+                                                            rel=0.02)
+    # below the shortest calibrated length, drafting never extrapolates under its proportional share
+    noisy = CostModel(target_step={2: t}, verify_step={2: {3: 1.2 * t}},
+                      draft_round={"draft_model": {2: {2: 0.1 * t, 6: 0.9 * t}}})
+    assert noisy.draft_ratios("draft_model", 2, [1])[1] == pytest.approx(0.05)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_draft_length_timed_in_a_slow_minute_runs_again(seed: int) -> None:
     # The best draft length at batch 16 (γ=4 or 5 on this machine, 3-4% ahead of γ=3) was timed in a minute when
