@@ -52,7 +52,7 @@ from ..engine.adaptive import AdaptiveController, AdaptiveSettings, label
 from ..engine.calibration import Calibration, calibrate
 from ..engine.control import Decision, FixedController, StepRecord
 from ..engine.model_runner import decoder_of
-from .lockstep import run_lockstep
+from .lockstep import ring_order, run_lockstep
 
 BENCH_SEED = 20260522
 TWIN = "fixed-on-other-texts"  # the ring's control (`other_texts`), sampling from seeds this far from the others
@@ -672,11 +672,12 @@ def side_by_side(engines: Mapping[str, RolloutEngine], controllers: Mapping[str,
                  step_size: int | None = None,
                  own_params: Mapping[str, list[SamplingParams]] | None = None) -> dict[str, RunResult]:
     """`run_engine` for every configuration of `controllers` (name -> controller) on `engines[name]`, in lockstep
-    (`lockstep.run_lockstep`): one decode step each in turn, the ring's order rotated by `rotate` (no configuration
-    always steps right after the same one: a large drafter leaves the caches cold for whoever comes next).
+    (`lockstep.run_lockstep`): one decode step each in turn, in the ring `lockstep.ring_order` makes for repeat
+    `rotate` (no configuration always steps right after the same one: what stepped before leaves the caches colder
+    for some than for others).
     `own_params`: sampling parameters of their own for some configurations (others get `params`)."""
     names = list(controllers)
-    names = names[rotate % len(names):] + names[:rotate % len(names)]
+    names = ring_order(names, rotate)
     own = own_params or {}
     # each job is `run_engine` less its last argument, `turn`, which `run_lockstep` passes
     jobs = [functools.partial(run_engine, engines[n], controllers[n], prompts, own.get(n, params), max_batch,

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from specrl.runtime.bench.lockstep import Ring, run_lockstep
+from specrl.runtime.bench.lockstep import Ring, ring_order, run_lockstep
 
 
 def _stepper(steps: int, log: list[tuple[int, int]], name: int, running: list[int],
@@ -113,3 +113,24 @@ def test_runs_in_lockstep_decode_what_they_decode_alone_and_time_only_their_own_
     assert sum(x.seconds for x in both.values()) <= wall * 1.05
     assert sum(x.cpu_seconds for x in both.values()) <= cpu * 1.05 + 1e-3
     assert all(sum(row[2] for row in x.by_batch.values()) <= x.seconds for x in both.values())
+
+
+def test_the_ring_changes_every_members_predecessor_from_one_repeat_to_the_next() -> None:
+    # A ring only rotated keeps who steps before whom, and a member's rate depends on it (caches): the sweep's seven
+    # configurations must each follow all six others once over six repeats.
+    names = ["ar", "g2", "g4", "g6", "ngram", "qs", "adaptive"]
+    predecessors: dict[str, list[str]] = {n: [] for n in names}
+    for repeat in range(6):
+        order = ring_order(names, repeat)
+        assert sorted(order) == sorted(names)
+        for i, n in enumerate(order):
+            predecessors[n].append(order[i - 1])
+    assert all(sorted(p) == sorted(set(names) - {n}) for n, p in predecessors.items()), predecessors
+    # any size: a permutation, and distinct predecessors across the strides coprime to it
+    for size in range(1, 11):
+        members = [str(i) for i in range(size)]
+        orders = [ring_order(members, r) for r in range(4)]
+        assert all(sorted(o) == members for o in orders)
+    ten = [str(i) for i in range(10)]  # strides 1, 3, 7, 9
+    before = [{o[i]: o[i - 1] for i in range(10)}["0"] for o in (ring_order(ten, r) for r in range(4))]
+    assert len(set(before)) == 4
