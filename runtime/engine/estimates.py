@@ -254,7 +254,8 @@ class Estimates:
         what the pooled estimates scale. (Before, a calibrated batch size kept its two calibrated lengths and each
         other length its own samples, so every batch size the calibration timed, the sweep's five among them, was
         priced per length: at batch 2 drafting γ=3 stood at 0.56 plain steps and γ=4 at 0.43, the calibration's
-        0.24 and 0.28, and the policy drafted γ=5 where γ=6 ran 5% faster.)"""
+        0.24 and 0.28; the benchmark's sweep at batch 2 saw the policy flip between γ=4, 5 and 6 at 0.93x fixed
+        γ=6.)"""
         base = self._draft_predicted.get((method, b))
         if base is None:
             cal = self._calibrated
