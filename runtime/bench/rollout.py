@@ -722,7 +722,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     # fixed draft_model γ=3 on the calibrated engine ran at 0.96x its rate on a fresh one (median of six lockstep
     # repeats, 0.94-1.01 per repeat), and the policy timed its steps there.
     progress("building an engine per configuration")
-    engines = {name: engine_like(models, available) for name, _, _ in [*configs, ("adaptive", None, 0), (TWIN, None, 0)]}
+    engines = {name: engine_like(models, available) for name in [*(c[0] for c in configs), "adaptive", TWIN]}
     twins: list[tuple[str, RunResult]] = []  # per repeat from the second: (the configuration, its run on other texts)
     for r in range(plan.repeats):
         # Fresh sampling seeds every repeat, the same for every configuration within it. With one set of seeds for

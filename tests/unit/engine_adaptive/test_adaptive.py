@@ -750,8 +750,9 @@ def test_one_slow_step_of_one_length_does_not_reprice_the_others() -> None:
 def test_a_calibrated_batch_sizes_draft_lengths_are_pooled_too() -> None:
     # The calibration times drafting at γ=2 and γ=6 at every batch size it calibrates. Priced per length there,
     # the lengths the steps timed moved alone: on the benchmark at batch 2 drafting γ=3 stood at 0.56 plain steps and
-    # γ=4 at 0.43 (calibration: 0.24 and 0.28), and the policy drafted γ=5 where fixed γ=6 ran faster. Here the
-    # steps' drafting costs 1.5x the calibration at every length, γ=4 runs, and γ=3 runs twice in a slow minute.
+    # γ=4 at 0.43 (calibration: 0.24 and 0.28), and the policy flipped between γ=4, 5 and 6 at 0.93x fixed γ=6.
+    # Here the steps' drafting costs 1.5x the calibration at every length, γ=4 runs, and γ=3 runs twice in a slow
+    # minute.
     from specrl.runtime.engine.estimates import LENGTH_PRIOR
 
     t = 8e-3
