@@ -17,7 +17,10 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
 * **length ties**: a proposer drafts the shortest γ predicted within `length_tie` of its best. The benchmark's draft
   model at batch 1 is predicted within 2% at γ = 4..7 (a flat optimum; the policy ran γ=7 in one benchmark run
   and γ=5 in the next); a longer draft depends on more acceptance probabilities at once, so an overestimated α costs it
-  more than an underestimated one gains it (`CostModel.best_gamma`);
+  more than an underestimated one gains it (`CostModel.best_gamma`). Questioned on a Zen 5: two fresh policies
+  with and without the tie in one lockstep ring, batch 4 and 8, eight repeats each, ran 5% apart for no tie (13
+  of 16 pairs), but two benchmark runs without it left the sweep where it was (0.93-1.01 per batch size), so it
+  stays;
 * **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice
   by `hysteresis` (a proposer with its own KV cache pays a catch-up on every token it missed when it is switched
   back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
