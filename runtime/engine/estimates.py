@@ -80,7 +80,7 @@ class Estimates:
         self.costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
         self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
-        self._draft_predicted: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): first estimates
+        self._draft_base: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): `_draft_base_at`
         self._samples: dict[tuple, deque[tuple[int, float]]] = {}  # per quantity: (step, seconds), oldest first
         # per ("verify", b) or ("draft", m, b): the costs of every length there against its base, newest last
         self._levels: dict[tuple, deque[float]] = {}
@@ -256,13 +256,13 @@ class Estimates:
         priced per length: at batch 2 drafting γ=3 stood at 0.56 plain steps and γ=4 at 0.43, the calibration's
         0.24 and 0.28; the benchmark's sweep at batch 2 saw the policy flip between γ=4, 5 and 6 at 0.93x fixed
         γ=6.)"""
-        base = self._draft_predicted.get((method, b))
+        base = self._draft_base.get((method, b))
         if base is None:
             cal = self._calibrated
             source = cal if cal is not None and cal.knows(method) else self.costs
             assert source is not None
             t = source.plain_step(b)
-            base = self._draft_predicted[(method, b)] = {
+            base = self._draft_base[(method, b)] = {
                 k: x * t for k, x in source.draft_ratios(method, b, self.settings.gammas()).items()}
         return base
 
