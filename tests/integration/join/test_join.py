@@ -52,7 +52,8 @@ from tests.kube.server import KubeServer
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NS, JOB = "join", "jn"
-STEPS, PROMPTS, GROUP, TRAINERS = 300, 8, 2, 2
+# 300 steps ended before the second rollout pod joined on a 2-core Zen 5 (about 10 s of training there)
+STEPS, PROMPTS, GROUP, TRAINERS = 600, 8, 2, 2
 CHECKPOINT_EVERY = 20
 TIMEOUT_S = 240.0  # a bound per stage; the job's own end (complete or failed) ends every wait sooner
 BIN = Path(sys.executable).parent
