@@ -451,6 +451,32 @@ def test_ragged_forward_reads_only_up_to_the_longest_real_row(target) -> None:
         runner.plan(0, [39, 0], 2, lens=[1, 2], cache_len=40)  # the scratch position must stay free
 
 
+def test_a_catch_up_after_rows_accepted_differently_is_one_unpadded_forward(target, draft, monkeypatch) -> None:
+    """Rows that accepted every draft feed the drafter two unseen tokens, the others one: every row then feeds two,
+    the shorter ones from a position their cache holds, so the forward is not ragged (a padded forward takes the
+    unfused path, 5x a decode forward for the benchmark's draft model at batch 8). Outputs stay the target's."""
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3)
+    ar = RolloutEngine(target, max_batch_size=3).generate(prompts, [SamplingParams(temperature=0.0,
+                                                                                   max_new_tokens=24)] * 3)
+    engine = RolloutEngine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=3),
+                           draft_model=draft, max_batch_size=3)
+    drafter = engine.proposers["draft_model"]
+    widths: list[tuple[int, bool]] = []  # per catch-up forward: (tokens per row, padded)
+    inner = drafter.runner.forward
+
+    def forward(cache: Any, slot0: int, starts: list[int], tokens: torch.Tensor, **kw: Any) -> Any:
+        if kw.get("last_index") is not None and cache is drafter.cache and max(starts) > 0:
+            widths.append((tokens.shape[1], kw.get("lens") is not None))
+        return inner(cache, slot0, starts, tokens, **kw)
+
+    monkeypatch.setattr(drafter.runner, "forward", forward)
+    engine.generate(prompts, [params] * 3)
+    assert any(w == 2 for w, _ in widths) and not any(padded for _, padded in widths)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24)
+    assert [o.token_ids for o in engine.generate(prompts, [greedy] * 3)] == [o.token_ids for o in ar]
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
 def test_catch_up_of_a_late_joiner_fits_the_context(method: str, target, draft) -> None:
     """A long prompt joins beside a long-running row: the drafter's ragged catch-up forward spans both, and the
