@@ -17,6 +17,7 @@ from specrl.runtime.engine import (
 )
 from specrl.runtime.engine.model_runner import Int4Dense, TransformerRunner, native_bf16
 from specrl.runtime.engine.proposers import QuantizedSelfProposer
+from specrl.runtime.engine.proposers.draft_model import DraftModelProposer
 from specrl.runtime.engine.proposers.eagle import EagleProposer
 
 from .conftest import VOCAB, make_model, reference_probs
@@ -462,6 +463,7 @@ def test_a_catch_up_after_rows_accepted_differently_is_one_unpadded_forward(targ
     engine = RolloutEngine(target, SpeculativeConfig(method="draft_model", num_speculative_tokens=3),
                            draft_model=draft, max_batch_size=3)
     drafter = engine.proposers["draft_model"]
+    assert isinstance(drafter, DraftModelProposer) and drafter.runner is not None
     widths: list[tuple[int, bool]] = []  # per catch-up forward: (tokens per row, padded)
     inner = drafter.runner.forward
 
