@@ -455,7 +455,7 @@ def test_ragged_forward_reads_only_up_to_the_longest_real_row(target) -> None:
 def test_a_catch_up_after_rows_accepted_differently_is_one_unpadded_forward(target, draft, monkeypatch) -> None:
     """Rows that accepted every draft feed the drafter two unseen tokens, the others one: every row then feeds two,
     the shorter ones from a position their cache holds, so the forward is not ragged (a padded forward takes the
-    unfused path, 5x a decode forward for the benchmark's draft model at batch 8). Outputs stay the target's."""
+    unfused path: 541 against 229 us for the benchmark's draft model at batch 8). Outputs stay the target's."""
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[4]]
     params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3)
     ar = RolloutEngine(target, max_batch_size=3).generate(prompts, [SamplingParams(temperature=0.0,
