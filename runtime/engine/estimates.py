@@ -7,8 +7,8 @@ from the engine's step records.
   `horizon` steps only (the policy's plain rechecks keep it current: every forward's cost grows with the rows'
   contexts). The verify and draft costs of one batch size are pooled over its lengths (`pooled_lengths`): each
   length's estimate is its calibrated cost times the batch size's level (what every length there costs now against
-  the calibration, plain steps included for the verifier; for drafting, plus: an offset in seconds) and, as it
-  gathers samples of its own, its own ratio (offset) (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
+  the calibration, plain steps included for the verifier) and, as it gathers samples of its own, its own ratio
+  (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
   sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length with it and priced
   γ=6 at 4.65 plain steps where its rounds cost about 2.6 (fixed γ=6 ran 1.46x plain decoding there; the policy
   chose γ=2).
@@ -239,11 +239,10 @@ class Estimates:
             base = self._draft_base_at(method, b)
             by_g = c.draft_round.setdefault(method, {}).setdefault(b, dict(base))
             if g in base and all(x > 0 for x in base.values()):
-                key = ("draft", method, b)
-                estimate = self._sample(key + (g,), record.draft_seconds, None, step)
-                self._own.setdefault(key, {})[g] = (len(self._samples[key + (g,)]), estimate - base[g])
-                self._level(key, record.draft_seconds - base[g])
-                by_g.update(pooled_lengths(base, list(self._levels[key]), self._own[key], additive=True))
+                self._own_ratio(("draft", method, b), g,
+                                self._sample(("draft", method, b, g), record.draft_seconds, None, step), base[g])
+                self._level(("draft", method, b), record.draft_seconds / base[g])
+                by_g.update(self._pooled(("draft", method, b), base))
             else:  # a free drafter (n-gram: predicted at 0): its measured lengths, the others scaled alike
                 by_g[g] = self._sample(("draft", method, b, g), record.draft_seconds, by_g.get(g), step)
                 measured = {k for k in by_g if ("draft", method, b, k) in self._samples}
@@ -289,8 +288,12 @@ class Estimates:
         """Keep length k's own (samples, ratio to its base) for `pooled_lengths` (`estimate`: `_sample`'s)."""
         self._own.setdefault(key, {})[k] = (len(self._samples[key + (k,)]), estimate / base)
 
+    def _pooled(self, key: tuple, base: Mapping[int, float]) -> dict[int, float]:
+        """`pooled_lengths` for the quantity `key` (("verify", b) or ("draft", m, b)) over `base`."""
+        return pooled_lengths(base, list(self._levels.get(key, ())), self._own.get(key, {}))
+
     def _pool_verify(self, b: int, base: Mapping[int, float]) -> None:
-        pooled = pooled_lengths(base, list(self._levels.get(("verify", b), ())), self._own.get(("verify", b), {}))
+        pooled = self._pooled(("verify", b), base)
         del pooled[1]  # the plain step keeps its own estimate (recent samples only)
         assert self.costs is not None
         self.costs.verify_step.setdefault(b, {}).update(pooled)
@@ -317,26 +320,17 @@ class Estimates:
         verify.update(rescale_unmeasured(now, cal, measured, lambda k: linear_in_tokens(points, k)))
 
 
-def pooled_lengths(base: Mapping[int, float], level: Sequence[float], own: Mapping[int, tuple[int, float]],
-                   additive: bool = False) -> dict[int, float]:
+def pooled_lengths(base: Mapping[int, float], level: Sequence[float], own: Mapping[int, tuple[int, float]]
+                   ) -> dict[int, float]:
     """Every length k of `base` (its calibrated seconds) at base[k] × its ratio now: the batch size's level (a low
     quantile of `level`, the recent ratios of every length there; after one sample, its mean with the
     calibration's 1, as `Estimates._sample` does) and, where k has `n` samples of its own with ratio `r`
-    (`own[k] = (n, r)`), r weighted by n against `LENGTH_PRIOR` samples of the level.
-
-    `additive`: `level` and `own` hold seconds over the base instead of ratios, and every length is base[k] plus
-    that offset (never under half its base). Drafting pools so: what a rollout adds to a round's drafting over the
-    calibration is mostly per round, not per draft token. On the benchmark's sweep at batch 4 and 8 (Zen 5, two
-    repeats each), fixed draft lengths 1 to 8 drafted 0.04-0.14 plain steps a round over the calibration, a ratio
-    to it that fell from 1.4-1.7 at γ=1 to 1.0-1.3 at γ=8; scaled by the ratio of the lengths the policy ran
-    (γ=1-3), γ=8 was priced 1.2-1.5x what it cost, and the policy drafted γ=1-3 where γ=4-5 ran fastest."""
-    neutral = 0.0 if additive else 1.0
-    at = (neutral + level[0]) / 2 if len(level) == 1 else low_percentile(level, 0.25) if level else neutral
+    (`own[k] = (n, r)`), r weighted by n against `LENGTH_PRIOR` samples of the level."""
+    at = (1.0 + level[0]) / 2 if len(level) == 1 else low_percentile(level, 0.25) if level else 1.0
     out = {}
     for k, x in base.items():
-        count, own_k = own.get(k, (0, at))
-        now = (count * own_k + LENGTH_PRIOR * at) / (count + LENGTH_PRIOR)
-        out[k] = max(x + now, x / 2) if additive else x * now
+        count, ratio = own.get(k, (0, at))
+        out[k] = x * (count * ratio + LENGTH_PRIOR * at) / (count + LENGTH_PRIOR)
     return out
 
 

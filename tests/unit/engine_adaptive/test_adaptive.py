@@ -745,17 +745,14 @@ def test_one_slow_step_of_one_length_does_not_reprice_the_others() -> None:
     assert pooled_lengths({1: 1.0, 2: 2.0}, [3.0], {}) == {1: 2.0, 2: 4.0}
     assert pooled_lengths({1: 1.0}, [1.0, 1.0, 1.0, 5.0], {1: (1, 5.0)}) == \
         {1: pytest.approx((5.0 + LENGTH_PRIOR) / (1 + LENGTH_PRIOR))}
-    # drafting's level is an offset in seconds (one sample: half of it), never pricing a length under half its base
-    assert pooled_lengths({1: 1.0, 2: 2.0}, [0.5], {}, additive=True) == {1: 1.25, 2: 2.25}
-    assert pooled_lengths({1: 1.0, 4: 4.0}, [-2.0, -2.0], {}, additive=True) == {1: 0.5, 4: 2.0}
 
 
 def test_a_calibrated_batch_sizes_draft_lengths_are_pooled_too() -> None:
     # The calibration times drafting at γ=2 and γ=6 at every batch size it calibrates. Priced per length there,
     # the lengths the steps timed moved alone: on the benchmark at batch 2 drafting γ=3 stood at 0.56 plain steps and
     # γ=4 at 0.43 (calibration: 0.24 and 0.28), and the policy flipped between γ=4, 5 and 6 at 0.93x fixed γ=6.
-    # Here the steps' drafting costs 0.05 plain steps a round over the calibration at every length (a rollout's
-    # drafting adds per round, not per token: `pooled_lengths`), γ=4 runs, and γ=3 runs twice in a slow minute.
+    # Here the steps' drafting costs 1.5x the calibration at every length, γ=4 runs, and γ=3 runs twice in a slow
+    # minute.
     from specrl.runtime.engine.estimates import LENGTH_PRIOR
 
     t = 8e-3
@@ -765,17 +762,17 @@ def test_a_calibrated_batch_sizes_draft_lengths_are_pooled_too() -> None:
                               settings=AdaptiveSettings(probe=0.0))
     calibrated_draft = {g: x * t for g, x in cal.draft_ratios("draft_model", 2, range(1, 9)).items()}
     for i in range(24):
-        d, extra = (Decision("draft_model", 3), 0.3 * t) if i in (5, 6) else (Decision("draft_model", 4), 0.05 * t)
-        drafting = calibrated_draft[d.gamma] + extra
+        d, slow = (Decision("draft_model", 3), 2.5) if i in (5, 6) else (Decision("draft_model", 4), 1.5)
+        drafting = calibrated_draft[d.gamma] * slow
         ctrl.observe(d, record(d, 2, accepted=d.gamma, seconds=drafting + 1.2 * t, draft_seconds=drafting,
                                tried=d.gamma))
     assert ctrl.costs is not None
     drafts = ctrl.costs.draft_round["draft_model"][2]
     assert sorted(drafts) == list(range(1, 9))
     assert all(drafts[g] < drafts[g + 1] for g in range(1, 8)), drafts  # the calibration's shape kept
-    for g in (1, 2, 5, 6, 7, 8):  # lengths no step timed: the batch size's offset, not a ratio to its base
-        assert drafts[g] - calibrated_draft[g] == pytest.approx(0.05 * t, rel=0.02)
-    assert drafts[3] - calibrated_draft[3] == pytest.approx((2 * 0.3 + LENGTH_PRIOR * 0.05) * t / (2 + LENGTH_PRIOR),
+    for g in (1, 2, 5, 6, 7, 8):  # lengths no step timed: the batch size's level, 1.5x
+        assert drafts[g] / calibrated_draft[g] == pytest.approx(1.5, rel=0.02)
+    assert drafts[3] / calibrated_draft[3] == pytest.approx((2 * 2.5 + LENGTH_PRIOR * 1.5) / (2 + LENGTH_PRIOR),
                                                             rel=0.02)
     # below the shortest calibrated length, drafting never extrapolates under its proportional share
     noisy = CostModel(target_step={2: t}, verify_step={2: {3: 1.2 * t}},
