@@ -325,7 +325,13 @@ def pooled_lengths(base: Mapping[int, float], level: Sequence[float], own: Mappi
     """Every length k of `base` (its calibrated seconds) at base[k] × its ratio now: the batch size's level (a low
     quantile of `level`, the recent ratios of every length there; after one sample, its mean with the
     calibration's 1, as `Estimates._sample` does) and, where k has `n` samples of its own with ratio `r`
-    (`own[k] = (n, r)`), r weighted by n against `LENGTH_PRIOR` samples of the level."""
+    (`own[k] = (n, r)`), r weighted by n against `LENGTH_PRIOR` samples of the level.
+
+    Tried and reverted for drafting: an offset in seconds instead of a ratio. In the benchmark's sweep (Zen 5,
+    batch 4 and 8) drafting cost 0.04-0.14 plain steps a round over the calibration at every length, so a ratio
+    measured at γ=1-3 priced γ=8 at 1.2-1.5x its cost; but with the offset the whole long-tail workload ran at
+    0.93x the best fixed configuration on the sampling seeds where the ratio ran at 0.98x (the same code
+    otherwise; the sweep at batch 2-16 alike: 0.95-0.99 with the offset, 0.95-1.01 with the ratio)."""
     at = (1.0 + level[0]) / 2 if len(level) == 1 else low_percentile(level, 0.25) if level else 1.0
     out = {}
     for k, x in base.items():
