@@ -4,8 +4,9 @@ Drafts are *sampled* from the draft's processed distribution q (same temperature
 and q is returned, so the verifier can accept with min(1, p/q). The draft cache lags the sequence after
 all-accepted steps and AR steps; `propose` first catches up on every token the draft has not seen (one forward,
 every row as wide as the widest: a row with fewer unseen tokens re-feeds some its cache holds; right-padded only
-where that cannot be, a catch-up from the prompt), then drafts gamma tokens one forward at a time. A drafter the controller does not expect to
-run is not prefilled on admission (`Controller.warm_proposers`): that catch-up then starts at the prompt.
+where that cannot be, a catch-up from the prompt), then drafts gamma tokens one forward at a time. A drafter the
+controller does not expect to run is not prefilled on admission (`Controller.warm_proposers`): that catch-up then
+starts at the prompt.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class DraftModelProposer(Proposer):
         runner = self.runner
         b = ctx.batch
         dev = runner.device
-        # Catch up on unseen tokens (ragged): row b feeds tokens[lens[b]:], which always includes the last one.
+        # Catch up on unseen tokens: row b feeds at least tokens[lens[b]:], which always includes the last one.
         starts = [self.lens[i] for i in range(b)]
         width = max(len(ctx.tokens[i]) - starts[i] for i in range(b))
         if width <= runner.FEW_TOKENS and all(len(ctx.tokens[i]) >= width for i in range(b)):
