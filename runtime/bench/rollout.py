@@ -718,10 +718,10 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
     runs["adaptive"] = []
     serving: dict[str, list[RunResult]] = {"ar": [], "adaptive": []}
     # Every configuration in lockstep on an engine of its own (`lockstep`), built alike: the adaptive policy too, not
-    # on the engine the calibration ran (its costs carry over: same machine, same models): every configuration on
-    # an engine alike. Measured at batch 4, fixed draft_model γ=3 on the calibrated engine ran at 0.96x its rate on
-    # a fresh one (median of six lockstep repeats, 0.94-1.01 per repeat); rerun a session later with γ=2, at 1.04x
-    # (four of six repeats faster): a difference within the ring's noise, not the calibrated engine's.
+    # on the engine the calibration ran (its costs carry over: same machine, same models). Measured at batch 4,
+    # fixed draft_model γ=3 on the calibrated engine ran at 0.96x its rate on a fresh one (median of six lockstep
+    # repeats, 0.94-1.01 per repeat); rerun a session later with γ=2, at 1.04x (four of six repeats faster): the
+    # ring's noise, not the calibrated engine's, but engines alike keep it out of every comparison.
     progress("building an engine per configuration")
     engines = {name: engine_like(models, available) for name in [*(c[0] for c in configs), "adaptive", TWIN]}
     twins: list[tuple[str, RunResult]] = []  # per repeat from the second: (the configuration, its run on other texts)
