@@ -327,6 +327,9 @@ def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger
         summary["sd_rollout_seconds"] = cmp["sd_seconds"]
         summary["ar_rollout_seconds"] = cmp["ar_seconds"]
         summary["sd_rollout_acceptance_length"] = acceptance_length(cmp["sd_stats"])
+        if cmp.get("sd_trace"):  # the decode steps of the last pair: how many of them the policy speculated in
+            summary["sd_rollout_decode_steps"] = len(cmp["sd_trace"])
+            summary["sd_rollout_speculative_steps"] = sum(1 for step in cmp["sd_trace"] if step[1])
         if cmp.get("response_lengths"):
             summary["sd_rollout_response_length"] = length_profile(cmp["response_lengths"])
         summary["sd_rollout_measurement"] = (
@@ -375,7 +378,10 @@ def story_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"rollout phase, speculative vs plain decoding (same weights and seeds): "
                      f"{summary['sd_rollout_speedup']:.2f}x  ({summary['sd_rollout_seconds']:.2f} s vs "
                      f"{summary['ar_rollout_seconds']:.2f} s"
-                     + (f", acceptance length {acc:.2f}" if acc else "") + ")")
+                     + (f", acceptance length {acc:.2f}" if acc else "")
+                     + (f", speculating in {summary['sd_rollout_speculative_steps']} of "
+                        f"{summary['sd_rollout_decode_steps']} decode steps" if "sd_rollout_decode_steps" in summary
+                        else "") + ")")
     if summary.get("steps"):
         line = f"rollout share of the step: {100 * summary['rollout_share']:.0f}%"
         if "step_seconds_sd_off_projected" in summary:

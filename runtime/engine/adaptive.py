@@ -58,6 +58,16 @@ only keeps its record; the records are folded into the estimates, in order, on t
 anything (a table is never computed from records not folded yet): 61–76 µs a step at batch 1 to 16 on the
 benchmark's machine (AMD EPYC Zen 4, the bench models, timed inside the decode loop).
 
+**Settled tables.** Where plain decoding wins by more than a probe could overturn (every proposer is predicted
+slower than plain decoding even with `probe_optimism` more acceptance), the table is *settled*: it stands
+`settled_refresh` steps instead of `refresh`, and through cost moves its margin covers, until a speculative step
+moves acceptance. Plain decoding held at one batch size carries on into any batch size whose table is settled
+without computing anything. Why: tiny-local's rollouts shrink from 384 rows to 1 in ~120 steps, at a new batch size
+almost every step and speculation off throughout; every new size computed its table and folded (~65 µs, a
+plain-step estimate resting on a few samples moved 10% at a jitter and dropped the table at every visit), on steps
+of 75–600 µs. The policy cost 4% of the rollout (`make run` compared speculation with plain decoding at
+0.89–0.96x); settled, 1–2%, most of it folding the records.
+
 The engine prefills on admission only the drafters this policy names warm (`warm_proposers`: the one it will run at
 the batch the admission makes and, if cheap, the argmax at batch 1); the others catch up from the prompt when a
 probe or a switch first runs them. Nothing here touches the sampling RNG: the
@@ -66,6 +76,7 @@ choice never changes the distribution of the sampled tokens (every option is los
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -106,6 +117,26 @@ def label(decision: Decision) -> str:
 # the policy
 
 
+Options = dict[str | None, tuple[float, Decision]]  # per option (None: plain), its speed and best γ
+
+
+@dataclass(frozen=True, slots=True)
+class _Table:
+    """One batch size's options as computed at step `step`, current until step `until`. `settled`: plain decoding
+    wins there by more than a probe could overturn (see "settled tables" in the module docstring)."""
+
+    step: int
+    until: int
+    options: Options
+    plain_seconds: float  # a plain step's estimate at this batch size when the table was computed
+    # the fastest proposer's predicted speed with `probe_optimism` more acceptance (inf: not computed, not settled)
+    optimistic: float = math.inf
+
+    @property
+    def settled(self) -> bool:
+        return self.optimistic < 1
+
+
 @dataclass(frozen=True, slots=True)
 class _Held:
     """An argmax that stands until step `until` at batch size `batch` while its table is `table`."""
@@ -114,7 +145,7 @@ class _Held:
     until: int
     decision: Decision
     key: int
-    table: tuple[int, dict[str | None, tuple[float, Decision]]]
+    table: _Table
     counts: Counter[str]
     label: str
     speculative: bool
@@ -163,6 +194,7 @@ class AdaptiveSettings:
     stop_memory: float = 512.0  # emitted tokens the stop hazard of a batch size remembers
     prior_alpha: float = 0.6
     refresh: int = 8  # steps between recomputations of one batch size's table of options
+    settled_refresh: int = 512  # the same for a settled table (module docstring)
     # The tail's choice is prefilled on every admission only if a draft token costs at most this many plain steps
     # at batch 1: its prompt prefill then adds about that share to the target's. A costlier drafter with a cache of
     # its own (a draft model near the policy's size) catches up only on the rows that reach the tail. Drafters over
@@ -194,9 +226,10 @@ class AdaptiveSettings:
                              f"{self.recheck}, {self.recheck_cost}")
         if self.neighbour < 0:
             raise ValueError(f"neighbour must be >= 0, got {self.neighbour}")
-        if self.window < 1 or self.refresh < 1 or self.probe_run < 1 or self.probe_max_batch < 1:
-            raise ValueError(f"window, refresh, probe_run and probe_max_batch must be >= 1, got {self.window}, "
-                             f"{self.refresh}, {self.probe_run}, {self.probe_max_batch}")
+        if min(self.window, self.refresh, self.settled_refresh, self.probe_run, self.probe_max_batch) < 1:
+            raise ValueError(f"window, refresh, settled_refresh, probe_run and probe_max_batch must be >= 1, got "
+                             f"{self.window}, {self.refresh}, {self.settled_refresh}, {self.probe_run}, "
+                             f"{self.probe_max_batch}")
 
     @property
     def adaptive(self) -> bool:
@@ -227,7 +260,7 @@ class AdaptiveController:
         self.metrics = metrics
         self.estimates = Estimates(self.methods, cost_model, s, alpha_priors)
         self._probing: tuple[Decision, int] | None = None  # a probe burst in progress: (option, steps left)
-        self._tables: dict[int, tuple[int, dict[str | None, tuple[float, Decision]]]] = {}
+        self._tables: dict[int, _Table] = {}  # per batch key
         self._held: _Held | None = None  # the last argmax, while it stands (`decide`'s fast path)
         # records not folded yet, with their CPU seconds and the step that ran them
         self._pending: list[tuple[StepRecord, float | None, int]] = []
@@ -250,28 +283,39 @@ class AdaptiveController:
 
     # -- the argmax ------------------------------------------------------------------------------------------
 
-    def table(self, batch: int) -> dict[str | None, tuple[float, Decision]]:
+    def table(self, batch: int) -> Options:
         """Per option (None: plain decoding), its predicted speed relative to plain decoding and its best γ."""
+        return self._table(batch).options
+
+    def _table(self, batch: int) -> _Table:
         if self._pending:
             self._fold()
         key = batch_key(batch)
         cached = self._tables.get(key)
-        if cached is not None and self.steps - cached[0] < self.settings.refresh:
-            return cached[1]
-        out: dict[str | None, tuple[float, Decision]] = {}
-        if self.settings.toggle or not self.methods:
+        if cached is not None and self.steps < cached.until:
+            return cached
+        s = self.settings
+        out: Options = {}
+        if s.toggle or not self.methods:
             out[None] = (1.0, AR)
         costs = self.estimates.costs
+        plain = 0.0
         if costs is not None:
-            gammas = self.settings.gammas()
+            gammas = s.gammas()
             verify = costs.verify_ratios(batch, gammas)
             for m in self.methods:
                 if costs.knows(m):
-                    g, s = costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify,
-                                                   self.settings.length_tie)
-                    out[m] = (s, Decision(m, g))
-        self._tables[key] = (self.steps, out)
-        return out
+                    g, speed = costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify, s.length_tie)
+                    out[m] = (speed, Decision(m, g))
+            plain = costs.target_step.get(batch) or costs.t_ar(batch)
+        optimistic = math.inf
+        if None in out and costs is not None and all(costs.knows(m) for m in self.methods) \
+                and max(v[0] for v in out.values()) <= 1:
+            optimistic = max((costs.best_gamma(m, batch, self.continuing(m, batch, s.probe_optimism), gammas,
+                                               verify)[1] for m in self.methods), default=0.0)
+        until = self.steps + (s.settled_refresh if optimistic < 1 else s.refresh)
+        table = self._tables[key] = _Table(self.steps, until, out, plain, optimistic)
+        return table
 
     def choose(self, batch: int) -> Decision:
         """The argmax with hysteresis (no probes): what the policy exploits at this batch size."""
@@ -349,11 +393,12 @@ class AdaptiveController:
         s = self.settings
         self.steps += 1
         held = self._held
-        if held is not None and held.batch == active_batch_size and self.steps < held.until \
-                and self.current is held.decision and self._probing is None \
-                and self._tables.get(held.key) is held.table:
-            # The last argmax still stands: same batch size, same table, no probe due. Most steps of a rollout
-            # end here (see "What a step costs the policy" in the module docstring).
+        if held is not None and self.steps < held.until and self.current is held.decision \
+                and self._probing is None and self._tables.get(held.key) is held.table \
+                and (held.batch == active_batch_size or (held := self._carry(held, active_batch_size)) is not None):
+            # The last argmax still stands: same batch size (or plain decoding into a settled table), same table,
+            # no probe due. Most steps of a rollout end here (see "What a step costs the policy" in the module
+            # docstring).
             held.counts[held.label] += 1
             self.sd_steps += held.speculative
             self._report(held.decision)
@@ -404,21 +449,43 @@ class AdaptiveController:
         return since > gain / s.recheck_cost
 
     def _hold(self, batch: int, decision: Decision, counts: Counter[str]) -> _Held | None:
-        """Until which step `decision` stands at this batch size: the next refresh of its table or the next step
-        a probe may start, whichever comes first."""
+        """`decision` held at this batch size until its table's next refresh or the next step a probe may start."""
         key, costs = batch_key(batch), self.estimates.costs
         table = self._tables.get(key)
         if table is None or costs is None or self.steps <= 0:
             return None
-        until = table[0] + self.settings.refresh
-        if batch <= self.settings.probe_max_batch:  # the next step a probe or a neighbour step may start
-            for period in (self.settings.probe_period, self.settings.neighbour):
-                if period:
-                    until = min(until, (self.steps // period + 1) * period)
+        speculative = is_speculative(decision)
         method = decision.method
         predicted = costs.round_seconds(method, decision.gamma, batch) \
-            if method is not None and decision.gamma > 0 and costs.knows(method) else costs.t_ar(batch)
-        return _Held(batch, until, decision, key, table, counts, label(decision), is_speculative(decision), predicted)
+            if method is not None and speculative and costs.knows(method) else costs.t_ar(batch)
+        return _Held(batch, self._until(table, batch, speculative), decision, key, table, counts, label(decision),
+                     speculative, predicted)
+
+    def _carry(self, held: _Held, batch: int) -> _Held | None:
+        """Plain decoding held into another batch size whose table is settled (it would choose plain decoding
+        there too), without computing anything; None where the step must think."""
+        if held.speculative:
+            return None
+        key = batch_key(batch)
+        table = self._tables.get(key)
+        if table is None or not table.settled or self.steps >= table.until:
+            return None
+        counts = self._counts.get(batch)
+        if counts is None:
+            counts = self._counts[batch] = Counter()
+        self._held = held = _Held(batch, self._until(table, batch, False), held.decision, key, table, counts,
+                                  held.label, False, table.plain_seconds)
+        return held if self.steps < held.until else None
+
+    def _until(self, table: _Table, batch: int, speculative: bool) -> int:
+        """The step a hold at this batch size ends: its table's refresh, or the next step a probe (or, while a
+        proposer runs, a neighbour step) may start."""
+        until = table.until
+        if batch <= self.settings.probe_max_batch:
+            for period in (self.settings.probe_period, self.settings.neighbour if speculative else 0):
+                if period:
+                    until = min(until, (self.steps // period + 1) * period)
+        return until
 
     def _report(self, decision: Decision) -> None:
         if self.metrics is not None:
@@ -482,9 +549,19 @@ class AdaptiveController:
     def _fold(self) -> None:
         """Bring the kept records into the estimates, in the order the steps ran."""
         pending, self._pending = self._pending, []
+        speculated = False
         for record, seconds, step in pending:
-            if self.estimates.learn(retimed(record, seconds), step):
-                self._tables.pop(batch_key(record.batch_size), None)
+            speculated = speculated or (record.method is not None and record.gamma > 0)
+            moved = self.estimates.learn(retimed(record, seconds), step)
+            if abs(moved - 1) > 0.1:
+                key = batch_key(record.batch_size)
+                table = self._tables.get(key)
+                # a settled table stands a cost move its margin covers (an estimate of a batch size the tail visits
+                # for a step or two rests on a few samples, and moves by 10% at a jitter)
+                if table is not None and not table.optimistic * max(moved, 1 / moved) < 1:
+                    del self._tables[key]
+        if speculated:  # acceptance moved: a settled table read it, and it is what a settled table's margin rests on
+            self._tables = {k: t for k, t in self._tables.items() if not t.settled}
 
     # -- visibility ------------------------------------------------------------------------------------------
 

@@ -146,12 +146,13 @@ class Estimates:
 
     # -- learning -------------------------------------------------------------------------------------------
 
-    def learn(self, record: StepRecord, step: int) -> bool:
-        """Fold in one step's record (run at `step`); whether it moved the estimate of what ran by more than 10%
-        (the policy then recomputes that batch size's table, else a wrong choice would run until its refresh)."""
+    def learn(self, record: StepRecord, step: int) -> float:
+        """Fold in one step's record (run at `step`); how far it moved the estimate of what ran, as the factor
+        new / old (1.0 where there is none). Past 10% either way the policy recomputes that batch size's table, else
+        a wrong choice would run until its refresh."""
         b = record.batch_size
         if b < 1 or record.seconds <= 0:
-            return False
+            return 1.0
         if record.emitted_tokens > 0:
             key = batch_key(b)
             keep = math.exp(-record.emitted_tokens / self.settings.stop_memory)
@@ -160,7 +161,7 @@ class Estimates:
         before = self.predicted_seconds(record)
         self._learn(record, b, step)
         after = self.predicted_seconds(record)
-        return bool(before and after and abs(after / before - 1) > 0.1)
+        return after / before if before and after else 1.0
 
     def _sample(self, key: tuple, x: float, seed: float | None, step: int) -> float:
         """Add one timing sample and return the new estimate: from two samples on, a low quantile of the last

@@ -66,6 +66,7 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
     # speculation vs plain decoding side by side, and what it means for the whole step
     assert on_disk["sd_rollout_speedup"] > 0 and len(on_disk["sd_rollout_speedups"]) >= 3
     assert on_disk["sd_rollout_acceptance_length"] >= 1.0
+    assert 0 <= on_disk["sd_rollout_speculative_steps"] <= on_disk["sd_rollout_decode_steps"] > 0
     assert on_disk["greedy_sd_equals_ar"] is True
     assert 0.0 < on_disk["rollout_share"] < 1.0
     assert on_disk["step_seconds_sd_off_projected"] > 0 and on_disk["step_seconds_sd_on"] > 0
@@ -75,6 +76,7 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
     out = capsys.readouterr().out
     assert "held-out accuracy" in out and "McNemar p=" in out and "greedy held-out accuracy" in out
     assert "p95" in out and "speculative vs plain decoding" in out and "rollout share" in out
+    assert f"speculating in {on_disk['sd_rollout_speculative_steps']} of {on_disk['sd_rollout_decode_steps']}" in out
     for name in ("overview", "reward_accuracy", "response_lengths", "decode_timeline", "acceptance",
                  "time_breakdown"):
         assert (tmp_path / f"{name}.png").stat().st_size > 5_000, name

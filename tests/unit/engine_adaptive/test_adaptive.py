@@ -655,6 +655,56 @@ def test_a_held_choice_defers_its_records_and_loses_none() -> None:
     assert lazy.stats() == eager.stats()
 
 
+def hopeless_ngram() -> tuple[Machine, AdaptiveController]:
+    """n-gram at α=0.1 where verifying costs like the tiny model's: plain decoding wins at every batch size by more
+    than 25 points more acceptance could make up (every table is settled)."""
+    machine = Machine({"ngram": 0.1}, {"ngram": 0.1}, c=0.3, seed=3)
+    return machine, AdaptiveController(["ngram"], cost_model=calibrated(machine, ["ngram"]),
+                                       alpha_priors={"ngram": 0.1}, settings=AdaptiveSettings(probe=0.0))
+
+
+def test_plain_decoding_carries_through_settled_tables_of_a_shrinking_batch() -> None:
+    # tiny-local's rollouts shrink to one row with a new batch size almost every step, and speculation loses at all
+    # of them. Once a pass has computed every size's table, the next pass computes nothing: its records wait (one
+    # fold later), and each step is counted at its own batch size.
+    machine, ctrl = hopeless_ngram()
+    sizes = list(range(24, 0, -1))
+
+    def rollout() -> set[Decision]:
+        out = set()
+        for b in sizes:
+            d = ctrl.decide(b)
+            ctrl.observe(d, machine.step(d, b))
+            out.add(d)
+        return out
+
+    assert rollout() == {AR}
+    tables = dict(ctrl._tables)
+    assert tables and all(t.settled for t in tables.values())
+    pending = len(ctrl._pending)
+    assert rollout() == {AR}
+    assert len(ctrl._pending) == pending + len(sizes)
+    assert all(ctrl._tables[k] is t for k, t in tables.items())
+    assert ctrl.stats()["decisions_by_batch_size"] == {b: {"ar": 2} for b in sorted(sizes)}
+
+
+def test_a_settled_table_stands_the_cost_moves_its_margin_covers() -> None:
+    machine, ctrl = hopeless_ngram()
+    t4 = machine.t(4)
+    ctrl.observe(ctrl.decide(4), record(AR, 4, 0, t4))
+    table = ctrl._tables[4]
+    assert table.settled and table.optimistic < 1 / 1.15
+    ctrl.observe(AR, record(AR, 4, 0, 1.3 * t4))  # the estimate moves 15% (with the calibration's): within the margin
+    assert ctrl.alpha and ctrl._tables[4] is table
+    ctrl.observe(AR, record(AR, 4, 0, 0.3 * t4))  # 3.8x cheaper: the margin does not cover that
+    assert ctrl.alpha and 4 not in ctrl._tables
+    ctrl.table(4)
+    assert ctrl._tables[4].settled
+    ngram = Decision("ngram", 2)  # a speculative step moves acceptance, which every settled table rests on
+    ctrl.observe(ngram, machine.step(ngram, 4))
+    assert ctrl.alpha and not ctrl._tables
+
+
 def test_stop_hazard_shortens_drafts_of_a_drafter_that_agrees_past_the_end() -> None:
     # A drafter accepted 99% of the time, cheap to run: with sequences that never end it drafts the longest γ;
     # when one emitted token in five ends its sequence, drafts past that point are waste and a short γ wins.
