@@ -688,6 +688,33 @@ def test_plain_decoding_carries_through_settled_tables_of_a_shrinking_batch() ->
     assert ctrl.stats()["decisions_by_batch_size"] == {b: {"ar": 2} for b in sorted(sizes)}
 
 
+def test_a_shrinking_batch_leaves_settled_tables_for_speculation_where_it_pays() -> None:
+    # Plain decoding carried through the settled tables of large batches stops where a table is not settled: the
+    # tail speculates as a controller that folds and recomputes at every step decides. (The tail's speculative
+    # steps then drop the settled tables: each rollout settles them again.)
+    machine = Machine({"draft_model": 0.8}, {"draft_model": 0.05}, c=0.1, seed=5)
+    lazy, eager = (AdaptiveController(["draft_model"], cost_model=calibrated(machine, ["draft_model"]),
+                                      alpha_priors={"draft_model": 0.8}, settings=AdaptiveSettings(probe=0.0))
+                   for _ in range(2))
+    sizes = [64] * 4 + list(range(63, 0, -1)) + [1] * 8
+    decided: list[tuple[int, Decision]] = []
+    settled = []
+    for _ in range(2):
+        for b in sizes:
+            d = lazy.decide(b)
+            assert eager.decide(b) == d
+            rec = machine.step(d, b)
+            lazy.observe(d, rec)
+            eager.observe(d, rec)
+            assert eager.alpha
+            decided.append((b, d))
+            if b == 40:
+                settled.append(sum(t.settled for t in lazy._tables.values()))
+    assert min(settled) > 0
+    assert all(d == AR for b, d in decided if b >= 48)
+    assert all(d.method == "draft_model" for b, d in decided if b <= 2)
+
+
 def test_a_settled_table_stands_the_cost_moves_its_margin_covers() -> None:
     machine, ctrl = hopeless_ngram()
     t4 = machine.t(4)
