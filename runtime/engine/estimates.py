@@ -77,7 +77,9 @@ class Estimates:
         # per draft position, [accepted, tested] over `shape_memory` (empty until a record carries positions)
         self._positions: dict[str, list[list[float]]] = {m: [] for m in methods}
         self._stops: dict[int, tuple[float, float]] = {}  # per batch key: decayed (stops, emitted tokens)
-        self.costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
+        self._costs = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
+        # per b: the calibrated verify seconds its plain steps' level waits to be pooled over (`costs`)
+        self._unpooled: dict[int, Mapping[int, float]] = {}
         # the calibration as it came: the shape over draft lengths that unmeasured lengths keep (`_follow`)
         self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         self._draft_base: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): `_draft_base_at`
@@ -90,6 +92,17 @@ class Estimates:
         self._last_method: str | None = None
 
     # -- reading --------------------------------------------------------------------------------------------
+
+    @property
+    def costs(self) -> CostModel | None:
+        """The step costs as estimated now. A plain step's record moves its batch size's verify costs with the
+        level (`pooled_lengths`); that pooling waits until something reads the costs: in a run of plain steps it
+        was a third of folding each record, and only its last result is ever read."""
+        if self._unpooled:
+            pending, self._unpooled = self._unpooled, {}
+            for b, base in pending.items():
+                self._pool_verify(b, base)
+        return self._costs
 
     def evidence(self, method: str) -> float:
         """Draft tokens of acceptance evidence `method`'s α rests on (decayed)."""
@@ -134,7 +147,9 @@ class Estimates:
 
     def predicted_seconds(self, record: StepRecord) -> float | None:
         """The current estimate of the step that `record` ran: t(b), or d_m(b, γ) + t_v(b, γ+1)."""
-        c, b = self.costs, record.batch_size
+        b = record.batch_size
+        # a plain step's estimate is the plain step's own (no pooling to wait for)
+        c = self._costs if not record.method or record.gamma < 1 else self.costs
         if c is None:
             return None
         if not record.method or record.gamma < 1:
@@ -190,14 +205,14 @@ class Estimates:
         switched, self._last_method = method != self._last_method, method
         self.last_run[method] = step
         if method is None:
-            old = self.costs.target_step.get(b) if self.costs is not None else None
+            old = self._costs.target_step.get(b) if self._costs is not None else None
             t = self._sample(("ar", b), record.seconds, old, step)
-            if self.costs is None:
-                self.costs = CostModel(target_step={b: t}, verify_step={})
-            self.costs.target_step[b] = t
+            if self._costs is None:
+                self._costs = CostModel(target_step={b: t}, verify_step={})
+            self._costs.target_step[b] = t
             if (base := self._verify_base_at(b)) is not None:
                 self._level(("verify", b), record.seconds / base[1])
-                self._pool_verify(b, base)
+                self._unpooled[b] = base
             else:
                 self._follow(b)
             return
@@ -296,8 +311,8 @@ class Estimates:
     def _pool_verify(self, b: int, base: Mapping[int, float]) -> None:
         pooled = self._pooled(("verify", b), base)
         del pooled[1]  # the plain step keeps its own estimate (recent samples only)
-        assert self.costs is not None
-        self.costs.verify_step.setdefault(b, {}).update(pooled)
+        assert self._costs is not None
+        self._costs.verify_step.setdefault(b, {}).update(pooled)
 
     def _follow(self, b: int) -> None:
         """Re-derive the verify costs at batch b that no step has measured: each calibrated length at what the
