@@ -66,7 +66,8 @@ without computing anything. Why: tiny-local's rollouts shrink from 384 rows to 1
 almost every step and speculation off throughout; every new size computed its table and folded (~65 µs, a
 plain-step estimate resting on a few samples moved 10% at a jitter and dropped the table at every visit), on steps
 of 75–600 µs. The policy cost 4% of the rollout (`make run` compared speculation with plain decoding at
-0.89–0.96x); settled, 1–2%, most of it folding the records.
+0.89–0.96x); settled, 1.5–3%, most of it folding the records (whose verify pooling waits for a read of the costs,
+`Estimates.costs`).
 
 The engine prefills on admission only the drafters this policy names warm (`warm_proposers`: the one it will run at
 the batch the admission makes and, if cheap, the argmax at batch 1); the others catch up from the prompt when a
