@@ -308,12 +308,11 @@ class AdaptiveController:
                 if costs.knows(m):
                     g, speed = costs.best_gamma(m, batch, self.continuing(m, batch), gammas, verify, s.length_tie)
                     out[m] = (speed, Decision(m, g))
-            plain = costs.target_step.get(batch) or costs.t_ar(batch)
+            plain = costs.t_ar(batch)
         optimistic = math.inf
         if None in out and costs is not None and all(costs.knows(m) for m in self.methods) \
                 and max(v[0] for v in out.values()) <= 1:
-            optimistic = max((costs.best_gamma(m, batch, self.continuing(m, batch, s.probe_optimism), gammas,
-                                               verify)[1] for m in self.methods), default=0.0)
+            optimistic = max((self._optimistic_speed(costs, m, batch, verify) for m in self.methods), default=0.0)
         until = self.steps + (s.settled_refresh if optimistic < 1 else s.refresh)
         table = self._tables[key] = _Table(self.steps, until, out, plain, optimistic)
         return table
@@ -386,9 +385,13 @@ class AdaptiveController:
         costs = self.estimates.costs
         if option is None or costs is None:
             return True
-        acceptance = self.continuing(option, batch, self.settings.probe_optimism)
-        optimistic = costs.best_gamma(option, batch, acceptance, self.settings.gammas())[1]
-        return optimistic > max(v[0] for v in options.values())
+        return self._optimistic_speed(costs, option, batch) > max(v[0] for v in options.values())
+
+    def _optimistic_speed(self, costs: CostModel, method: str, batch: int,
+                          verify: Mapping[int, float] | None = None) -> float:
+        """`method`'s predicted speed at its best γ with an acceptance `probe_optimism` above its estimate."""
+        acceptance = self.continuing(method, batch, self.settings.probe_optimism)
+        return costs.best_gamma(method, batch, acceptance, self.settings.gammas(), verify)[1]
 
     def decide(self, active_batch_size: int) -> Decision:
         s = self.settings

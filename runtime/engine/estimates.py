@@ -148,14 +148,11 @@ class Estimates:
     def predicted_seconds(self, record: StepRecord) -> float | None:
         """The current estimate of the step that `record` ran: t(b), or d_m(b, γ) + t_v(b, γ+1)."""
         b = record.batch_size
-        # a plain step's estimate is the plain step's own (no pooling to wait for)
-        c = self._costs if not record.method or record.gamma < 1 else self.costs
-        if c is None:
-            return None
         if not record.method or record.gamma < 1:
-            t = c.target_step.get(b)
-            return t if t is not None else c.t_ar(b)
-        if not c.knows(record.method):
+            plain = self._costs  # a plain step's estimate is its own: no pooling to wait for
+            return plain.t_ar(b) if plain is not None else None
+        c = self.costs
+        if c is None or not c.knows(record.method):
             return None
         return c.round_seconds(record.method, record.gamma, b)
 
