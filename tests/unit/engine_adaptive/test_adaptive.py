@@ -706,7 +706,7 @@ def test_a_shrinking_batch_leaves_settled_tables_for_speculation_where_it_pays()
             rec = machine.step(d, b)
             lazy.observe(d, rec)
             eager.observe(d, rec)
-            assert eager.alpha
+            eager._fold()  # the eager policy folds every record at once
             decided.append((b, d))
             if b == 40:
                 settled.append(sum(t.settled for t in lazy._tables.values()))
@@ -722,14 +722,17 @@ def test_a_settled_table_stands_the_cost_moves_its_margin_covers() -> None:
     table = ctrl._tables[4]
     assert table.settled and table.optimistic < 1 / 1.15
     ctrl.observe(AR, record(AR, 4, 0, 1.3 * t4))  # the estimate moves 15% (with the calibration's): within the margin
-    assert ctrl.alpha and ctrl._tables[4] is table
+    ctrl._fold()
+    assert ctrl._tables[4] is table
     ctrl.observe(AR, record(AR, 4, 0, 0.3 * t4))  # 3.8x cheaper: the margin does not cover that
-    assert ctrl.alpha and 4 not in ctrl._tables
+    ctrl._fold()
+    assert 4 not in ctrl._tables
     ctrl.table(4)
     assert ctrl._tables[4].settled
     ngram = Decision("ngram", 2)  # a speculative step moves acceptance, which every settled table rests on
     ctrl.observe(ngram, machine.step(ngram, 4))
-    assert ctrl.alpha and not ctrl._tables
+    ctrl._fold()
+    assert not ctrl._tables
 
 
 def test_stop_hazard_shortens_drafts_of_a_drafter_that_agrees_past_the_end() -> None:
