@@ -54,9 +54,12 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy �
 cold: estimating at every step cost 130–165 µs of Python a step (3% of a speculative step at batch 2).
 So the argmax is held while nothing can change it — the same batch size, its table not due for its refresh
 (`refresh` steps), no probe due, and no step costing `SURPRISE` times more or less than predicted — and a held step
-only keeps its record; the records are folded into the estimates, in order, on the next step that computes
-anything (a table is never computed from records not folded yet): 61–76 µs a step at batch 1 to 16 on the
-benchmark's machine (AMD EPYC Zen 4, the bench models, timed inside the decode loop).
+only keeps its record; the records are folded into the estimates, in order, when something reads them: a table's
+computation (a table is never computed from records not folded yet), the step after a surprise, a probe's choice.
+That was 61–76 µs a step at batch 1 to 16 on the benchmark's machine (AMD EPYC Zen 4, the bench models, timed inside
+the decode loop) when every step that did not hold folded. The first record folded is the dear one (~150 µs in the
+decode loop on a Zen 5, against 13 µs a record in a tight loop), so folding only where something reads the records
+and reading the tables as last computed on admission (`warm_proposers`) keep it to a fold every few steps.
 
 **Settled tables.** Where plain decoding wins by more than a probe could overturn (every proposer is predicted
 slower than plain decoding even with `probe_optimism` more acceptance), the table is *settled*: it stands
@@ -263,6 +266,7 @@ class AdaptiveController:
         self._probing: tuple[Decision, int] | None = None  # a probe burst in progress: (option, steps left)
         self._tables: dict[int, _Table] = {}  # per batch key
         self._held: _Held | None = None  # the last argmax, while it stands (`decide`'s fast path)
+        self._surprised = False  # the last step cost far from its prediction (`observe`)
         # records not folded yet, with their CPU seconds and the step that ran them
         self._pending: list[tuple[StepRecord, float | None, int]] = []
         self._clock = StepClock(s.clock)
@@ -289,12 +293,12 @@ class AdaptiveController:
         return self._table(batch).options
 
     def _table(self, batch: int) -> _Table:
-        if self._pending:
-            self._fold()
         key = batch_key(batch)
         cached = self._tables.get(key)
         if cached is not None and self.steps < cached.until:
             return cached
+        if self._pending:
+            self._fold()
         s = self.settings
         out: Options = {}
         if s.toggle or not self.methods:
@@ -319,7 +323,9 @@ class AdaptiveController:
 
     def choose(self, batch: int) -> Decision:
         """The argmax with hysteresis (no probes): what the policy exploits at this batch size."""
-        options = self.table(batch)
+        return self._pick(self.table(batch))
+
+    def _pick(self, options: Options) -> Decision:
         if not options:  # plain decoding excluded and nothing measured yet: try the first proposer
             return Decision(self.methods[0], self.settings.gamma)
         best = max(options, key=lambda k: options[k][0])
@@ -338,6 +344,8 @@ class AdaptiveController:
     def _probe(self, batch: int) -> Decision | None:
         """An option to measure this step instead of the argmax, or None."""
         s = self.settings
+        if self._pending and self._unmeasured():
+            self._fold()  # the records kept since may have measured it
         costs = self.estimates.costs
         if costs is None:  # nothing measured yet: plain decoding first, it is the baseline of everything
             return AR if s.toggle else Decision(self.methods[0], s.gamma)
@@ -353,6 +361,8 @@ class AdaptiveController:
             return option
         if not s.probe_period or self.steps % s.probe_period:
             return None
+        if self._pending:
+            self._fold()  # which option is stalest
         options = self.table(batch)
         current = self.current.method if is_speculative(self.current) else None
         candidates = [k for k in options if k != current and self._could_win(k, batch, options)]
@@ -364,6 +374,12 @@ class AdaptiveController:
             option = Decision(option.method, max(option.gamma, s.gamma))
         self._probing = (option, s.probe_run - 1) if s.probe_run > 1 else None
         return option
+
+    def _unmeasured(self) -> bool:
+        """Whether an option has yet to be measured: plain decoding, or a proposer's cost or acceptance."""
+        costs = self.estimates.costs
+        return costs is None or any(not costs.knows(m) or self.estimates.evidence(m) < MIN_TRIED
+                                    for m in self.methods)
 
     def _neighbour(self) -> Decision | None:
         """Every `neighbour` steps, the running proposer at the draft length next to the argmax's, longer and
@@ -408,7 +424,8 @@ class AdaptiveController:
             self._report(held.decision)
             self._clock.start()
             return held.decision
-        if self._pending:
+        if self._surprised:  # fold now: the estimates' own check decides whether the table is recomputed
+            self._surprised = False
             self._fold()
         probe = neighbour = None
         if not self.methods or active_batch_size < 1:
@@ -447,6 +464,9 @@ class AdaptiveController:
         if measured is None:  # never measured here: nothing to recheck (the calibration's or a neighbour's cost stands)
             return False
         since = self.steps - measured
+        if since > s.recheck and self._pending:  # a plain step since may be among the records not folded yet
+            self._fold()
+            since = self.steps - (self.estimates.plain_measured_at(batch) or measured)
         if since <= s.recheck:
             return False
         gain = self.table(batch)[decision.method][0] - 1
@@ -509,14 +529,23 @@ class AdaptiveController:
         costs = self.estimates.costs
         if costs is None:
             return list(self.methods)
-        running = self.choose(active_batch_size).method
-        tail = self.table(1)
+        # Tables as last computed, however old, and no records folded: which proposer leads changes rarely, and a
+        # server-style batch admits at every finish. Read fresh, at batch 4 in the benchmark's sweep, the admissions
+        # cost 0.2 ms each (batch 1's table had always expired, and each folded the few records since the last
+        # fold, which the weight streams leave cold), 1.4% of the decode time.
+        running = self._pick(self._last_options(active_batch_size)).method
+        tail = self._last_options(1)
         best = tail[max(tail, key=lambda k: tail[k][0])][1].method if tail else None
         if best is not None and best != running:
             one, two = costs.draft_ratios(best, 1, (1, 2)).values()
             if two - one > self.settings.warm_max_draft_cost:
                 best = None
         return list(dict.fromkeys(m for m in (running, best) if m))
+
+    def _last_options(self, batch: int) -> Options:
+        """This batch size's table as last computed, whatever its age (computed now where there is none)."""
+        cached = self._tables.get(batch_key(batch))
+        return cached.options if cached is not None else self.table(batch)
 
     # -- estimates -------------------------------------------------------------------------------------------
 
@@ -549,6 +578,7 @@ class AdaptiveController:
             off = (record.seconds if seconds is None else seconds) / held.seconds
             if not 1 / SURPRISE < off < SURPRISE:
                 self._held = None
+                self._surprised = True
 
     def _fold(self) -> None:
         """Bring the kept records into the estimates, in the order the steps ran."""

@@ -5,7 +5,8 @@ from the engine's step records.
   by what the steps themselves measure once two steps have: a low quantile of the last `window` samples per batch
   size and length (on a shared machine other processes only ever add time); plain decoding's of the last
   `horizon` steps only (the policy's plain rechecks keep it current: every forward's cost grows with the rows'
-  contexts). The verify and draft costs of one batch size are pooled over its lengths (`pooled_lengths`): each
+  contexts), and where it never ran at a batch size, the calibration's scaled by the level of the verifications
+  there (`_pool_verify`). The verify and draft costs of one batch size are pooled over its lengths (`pooled_lengths`): each
   length's estimate is its calibrated cost times the batch size's level (what every length there costs now against
   the calibration, plain steps included for the verifier) and, as it gathers samples of its own, its own ratio
   (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
@@ -307,9 +308,17 @@ class Estimates:
 
     def _pool_verify(self, b: int, base: Mapping[int, float]) -> None:
         pooled = self._pooled(("verify", b), base)
-        del pooled[1]  # the plain step keeps its own estimate (recent samples only)
+        plain = pooled.pop(1)
         assert self._costs is not None
         self._costs.verify_step.setdefault(b, {}).update(pooled)
+        if ("ar", b) not in self._samples:
+            # Never timed at this batch size, plain decoding moves with the level of its verifications, as an
+            # unmeasured length does; its own samples (probes, rechecks) rule once it has any. Why: the bench's
+            # sweep at batch 4 speculated in every step, and a plain step stood at the calibration's 2.14 ms (short
+            # contexts, another minute) where the fixed plain configuration beside it measured 2.40 ms. Every
+            # verification was measured at its cost, so every proposer was priced 12% slower than plain decoding
+            # than it ran.
+            self._costs.target_step[b] = plain
 
     def _follow(self, b: int) -> None:
         """Re-derive the verify costs at batch b that no step has measured: each calibrated length at what the

@@ -514,6 +514,10 @@ def test_warm_proposers_are_the_running_one_and_the_tail_choice() -> None:
                               "ngram": 0.2}, settings=AdaptiveSettings(probe=0.0))
     assert ctrl.decide(64) == AR  # plain decoding runs at a full batch; the tail will want the drafter
     assert ctrl.warm_proposers(64) == ["draft_model"]
+    # the tail's table as last computed, however old: a server-style batch admits at every finish
+    tail = ctrl._tables[1]
+    ctrl.steps += 10 * ctrl.settings.refresh
+    assert ctrl.warm_proposers(64) == ["draft_model"] and ctrl._tables[1] is tail
     ctrl.alpha["ngram"] = 1.0  # a free drafter accepting everything wins the tail, the one to run stays warm
     ctrl._tables.clear()
     ctrl.current = Decision("draft_model", 4)
@@ -858,6 +862,38 @@ def test_a_calibrated_batch_sizes_draft_lengths_are_pooled_too() -> None:
     noisy = CostModel(target_step={2: t}, verify_step={2: {3: 1.2 * t}},
                       draft_round={"draft_model": {2: {2: 0.1 * t, 6: 0.9 * t}}})
     assert noisy.draft_ratios("draft_model", 2, [1])[1] == pytest.approx(0.05)
+
+
+def test_plain_decoding_never_timed_at_a_batch_size_moves_with_its_verifications() -> None:
+    # The bench's sweep at batch 4 speculated in every step: a plain step kept the calibration's cost (short
+    # contexts, another minute), 11% under what the fixed plain configuration beside it measured, while every
+    # verification was measured at its cost, so every proposer was predicted slower against plain decoding than it
+    # ran. Here the machine runs every forward 1.15x its calibration.
+    t = 8e-3
+    cal = CostModel(target_step={4: t}, verify_step={4: {3: 1.3 * t, 5: 1.6 * t, 7: 1.9 * t}},
+                    draft_round={"draft_model": {4: {2: 0.2 * t, 6: 0.5 * t}}})
+
+    def policy_on(model: CostModel) -> AdaptiveController:
+        return AdaptiveController(["draft_model"], cost_model=model, alpha_priors={"draft_model": 0.8},
+                                  settings=AdaptiveSettings(probe=0.0, neighbour=0))
+
+    ctrl, d = policy_on(cal), Decision("draft_model", 4)
+    drafting = cal.draft_ratios("draft_model", 4, [4])[4] * t
+    for _ in range(12):
+        ctrl.observe(d, record(d, 4, accepted=3, seconds=1.15 * (1.6 * t + drafting), draft_seconds=1.15 * drafting,
+                               tried=4))
+    costs = ctrl.costs
+    assert costs is not None
+    assert costs.t_ar(4) == pytest.approx(1.15 * t, rel=0.01)
+    # a level that moves every forward alike leaves the ratios, and the predicted speeds, where the calibration had
+    # them (acceptance aside)
+    fresh = policy_on(cal)
+    fresh.estimates.alpha["draft_model"] = ctrl.alpha["draft_model"]
+    assert ctrl.table(4)["draft_model"][0] == pytest.approx(fresh.table(4)["draft_model"][0], rel=0.01)
+    # once a plain step is timed there, its own samples rule
+    for _ in range(3):
+        ctrl.observe(AR, record(AR, 4, accepted=0, seconds=1.3 * t))
+    assert ctrl.costs is not None and ctrl.costs.t_ar(4) == pytest.approx(1.3 * t)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
