@@ -6,10 +6,10 @@ from the engine's step records.
   size and length (on a shared machine other processes only ever add time); plain decoding's of the last
   `horizon` steps only (the policy's plain rechecks keep it current: every forward's cost grows with the rows'
   contexts), and where it never ran at a batch size, the calibration's scaled by the level of the verifications
-  there (`_pool_verify`). The verify and draft costs of one batch size are pooled over its lengths (`pooled_lengths`): each
-  length's estimate is its calibrated cost times the batch size's level (what every length there costs now against
-  the calibration, plain steps included for the verifier) and, as it gathers samples of its own, its own ratio
-  (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
+  there (`_pool_verify`). The verify and draft costs of one batch size are pooled over its lengths
+  (`pooled_lengths`): each length's estimate is its calibrated cost times the batch size's level (what every length
+  there costs now against the calibration, plain steps included for the verifier) and, as it gathers samples of its
+  own, its own ratio (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
   sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length with it and priced
   γ=6 at 4.65 plain steps where its rounds cost about 2.6 (fixed γ=6 ran 1.46x plain decoding there; the policy
   chose γ=2).
