@@ -462,12 +462,12 @@ class AdaptiveController:
         if not s.toggle or not is_speculative(decision) or batch > s.probe_max_batch:
             return False
         measured = self.estimates.plain_measured_at(batch)
+        if measured is not None and self.steps - measured > s.recheck and self._pending:
+            self._fold()  # a plain step since may be among the records not folded yet
+            measured = self.estimates.plain_measured_at(batch)
         if measured is None:  # never measured here: nothing to recheck (the calibration's or a neighbour's cost stands)
             return False
         since = self.steps - measured
-        if since > s.recheck and self._pending:  # a plain step since may be among the records not folded yet
-            self._fold()
-            since = self.steps - (self.estimates.plain_measured_at(batch) or measured)
         if since <= s.recheck:
             return False
         gain = self.table(batch)[decision.method][0] - 1

@@ -9,10 +9,10 @@ from the engine's step records.
   there (`_pool_verify`). The verify and draft costs of one batch size are pooled over its lengths
   (`pooled_lengths`): each length's estimate is its calibrated cost times the batch size's level (what every length
   there costs now against the calibration, plain steps included for the verifier) and, as it gathers samples of its
-  own, its own ratio (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single
-  sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length with it and priced
-  γ=6 at 4.65 plain steps where its rounds cost about 2.6 (fixed γ=6 ran 1.46x plain decoding there; the policy
-  chose γ=2).
+  own, its own ratio (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and
+  per length a single sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length
+  with it and priced γ=6 at 4.65 plain steps where its rounds cost about 2.6 (fixed γ=6 ran 1.46x plain decoding
+  there; the policy chose γ=2).
   Without a calibration a length no step has measured keeps its first estimate relative to the nearest measured
   one (`rescale_unmeasured`).
 * **acceptance**: α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. Per
