@@ -49,6 +49,7 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
     """2 trainers (gloo DP) + 2 rollout workers; HTTP contract while it runs; a trainer drained over HTTP and a
     new trainer joining, each at a step boundary, with the data-parallel ranks bit-identical afterwards."""
     import ray
+    import torch
 
     from tests.integration.rlrun.micro import micro_settings
 
@@ -115,16 +116,27 @@ def test_sync_job_http_and_elastic_trainers(local_ray, micro):
             coord.run_step()  # ... and the new one joins at this one
             assert list(coord.trainers) == ["micro-trainer-0", "micro-trainer-2"]
             coord.run_step()  # a step with the new data-parallel group
+            # TLT on idle rollout capacity: with every rollout worker idle, a round goes to one of them on a lent
+            # copy of the drafter master copy, which comes back trained to trainer rank 0. (Inside a step the
+            # tail can begin while both workers still decode their last chunk; trainer rank 0 then trains it.)
+            first = coord.trainers["micro-trainer-0"]
+            lent = ray.get(first.drafter_state.remote())
+            coord.drafter.start(coord.last_samples, deadline_s=2.0)
+            round_ = coord.drafter.finish()
+            assert round_["where"].startswith("micro-rollout-") and round_["steps"] > 0, round_
+            back = ray.get(first.drafter_state.remote())
+            assert back["steps_total"] == lent["steps_total"] + round_["steps"]
+            assert any(not torch.equal(back["model"][k], v) for k, v in lent["model"].items())
             coord.finish()
             st = http.get("/status").json()
             assert st["complete"] is True and st["phase"] == "Complete" and st["weightVersion"] == 4
         history = coord.get_history()
         assert [h["weight_version"] for h in history] == [1, 2, 3, 4]
         assert all(h["sync_bytes"] > 0 for h in history)
-        # TLT: the drafter trained in the long tail, on an idle rollout worker when one was free
+        # TLT: the drafter trained in the steps' long tails, on workers of the job
         assert sum(h["drafter_steps"] for h in history) > 0
-        assert any((h["drafter_where"] or "").startswith("micro-rollout-") for h in history), \
-            [h["drafter_where"] for h in history]
+        assert {h["drafter_where"] for h in history} - {None} <= {"micro-trainer-0", "micro-rollout-0",
+                                                                  "micro-rollout-1"}, history
         _assert_ledger_clean(coord, 4, s.prompts_per_step)
         # data parallel: both ranks hold bit-identical weights, and they moved
         digests = ray.get([a.digest.remote() for a in coord.trainers.values()])
