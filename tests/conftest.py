@@ -18,6 +18,17 @@ if TYPE_CHECKING:
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Hypothesis times each example against 200 ms by default: a wall-clock bound a loaded 2-core CI machine
+    # breaks on pure functions. No property test here is about speed.
+    try:
+        from hypothesis import settings
+    except ImportError:  # the operator-only environment
+        return
+    settings.register_profile("specrl", deadline=None)
+    settings.load_profile("specrl")
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT

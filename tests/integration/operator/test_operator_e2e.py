@@ -473,7 +473,7 @@ def test_graceful_shutdown_on_sigterm(kube: KubeEnv, operator: OperatorProcess):
 
 
 @pytest.mark.slow
-def test_two_hundred_jobs_reconcile_within_a_minute(kube: KubeEnv, operator: OperatorProcess):
+def test_two_hundred_jobs_reconcile_creating_each_object_once(kube: KubeEnv, operator: OperatorProcess):
     # The production poll interval (10 s) rather than the tests' 0.3 s: 200 timers ticking three times a
     # second would measure the test set-up, not the operator.
     operator.stop()
@@ -495,14 +495,18 @@ def test_two_hundred_jobs_reconcile_within_a_minute(kube: KubeEnv, operator: Ope
             return len(jobs) == 200 and all((j.get("status") or {}).get("phase") for j in jobs) and \
                 len(kube.pods(ns)) == 200 * 3
 
-        wait_for(done, 90, "200 RLJobs with their pods and status", interval=0.5)
+        # The time is reported, not asserted (3 s on a 2-core Zen 5): what must hold on any machine is the work.
+        wait_for(done, 300, "200 RLJobs with their pods and status", interval=0.5)
         elapsed = time.monotonic() - t0
         writes = kube.operator_writes(kube.requests(), ns)
         kinds = collections.Counter(f"{w.split(' ')[0]} {w.split('/')[-2 if w.endswith('/status') else -1]}"
                                     .rstrip("0123456789-") for w in writes)
         _report("fleet_200", {"kubectl_apply_seconds": round(applied, 1), "reconciled_seconds": round(elapsed, 1),
                               "operator_writes": len(writes), "by_kind": dict(kinds.most_common(8))})
-        assert elapsed < 60
+        # every child created once per job (no retried or duplicate creations), the status patched a few times
+        assert {k: kinds[k] for k in ("POST pods", "POST services", "POST configmaps", "POST secrets")} == {
+            "POST pods": 600, "POST services": 400, "POST configmaps": 200, "POST secrets": 200}, kinds
+        assert kinds["PATCH job"] <= 3 * 200 and len(writes) <= 12 * 200, kinds
     finally:
         kube.kubelet.paused = False
         assert fleet.stop() == 0, fleet.tail()

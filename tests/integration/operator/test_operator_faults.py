@@ -226,15 +226,16 @@ def test_spec_edit_during_a_move_keeps_the_new_pod(kube: KubeEnv, operator: Oper
                       30, "the move finished")
     finally:
         kube.coordinator.retire_after = 0.3
-    time.sleep(1.5)  # the update handler has run by now (it waited for the move)
+    # the update handler waited for the move; it has run once the status observes the edited generation, and the
+    # moved trainer's pod is gone once the kubelet confirms its deletion
     want = {f"{name}-coordinator-0", f"{name}-trainer-0", f"{name}-rollout-0", f"{name}-rollout-1", pending["newPod"]}
-    assert set(kube.pods(ns, name)) == want
+    wait_for(lambda: (j := kube.job(ns, name)) is not None
+             and status(kube, ns, name).get("observedGeneration") == j["metadata"]["generation"]
+             and set(kube.pods(ns, name)) == want, 20, f"the edit observed and the pods {sorted(want)}")
     assert st["allocation"]["rollout"]["replicas"] == 3
     new_pod_deletes = [w for w in kube.operator_writes(kube.requests(), ns)
                        if w.startswith("DELETE") and w.endswith(f"/pods/{pending['newPod']}")]
     assert new_pod_deletes == []
-    job = kube.job(ns, name)
-    assert job is not None and status(kube, ns, name)["observedGeneration"] == job["metadata"]["generation"]
 
 
 def test_waiting_reasons_and_the_startup_deadline(kube: KubeEnv, operator: OperatorProcess):

@@ -64,7 +64,7 @@ def test_task_error_hung_worker_and_slow_reward(local_ray, micro, tmp_path):
         deadline = time.monotonic() + 60
         while not frozen and time.monotonic() < deadline and t.is_alive():
             with coord.lock:
-                held = [(c.worker, [it.index for it in c.items]) for c in coord.pool.in_flight.values()]
+                held = [(c.worker, [it.index for it in c.items]) for c in list(coord.pool.in_flight.values())]
             for worker, idx in held:
                 if 2 not in idx and worker in coord.rollouts:
                     pid = _pid_or_none(coord.rollouts[worker])
@@ -390,8 +390,9 @@ def test_a_trainer_frozen_mid_all_reduce_is_found_within_the_collective_timeout(
         assert (rec["step"], rec["action"], rec["lost"], rec["source"]) == (
             1, "continue", [f"{s.job}-trainer-1"], f"{s.job}-trainer-0")
         # the rank-0 timeout, the wait for the other ranks, the 10 s health check, then the respawned trainer's
-        # start, the regroup and the step (a minute on a loaded machine; torch's default timeout is 30 min)
-        bound = 2 * timeout_s + 10.0 + 60.0
+        # start, the regroup and the step (a minute on a loaded machine, so four are allowed: the bound is there
+        # to tell this from torch's default timeout, 30 min, not to time the machine)
+        bound = 2 * timeout_s + 10.0 + 240.0
         print(f"step 1 with a frozen trainer took {recovered_s:.1f}s (bound {bound:g}s)")
         assert recovered_s < bound
         digests = ray.get([a.digest.remote() for a in coord.trainers.values()])

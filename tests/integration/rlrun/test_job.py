@@ -189,7 +189,7 @@ def test_drain_and_worker_death_mid_rollout_lose_nothing(local_ray, micro):
         deadline = time.monotonic() + 120
         while t.is_alive() and time.monotonic() < deadline and (drained is None or killed is None):
             with coord.lock:
-                holders = {c.worker for c in coord.pool.in_flight.values() if c.items}
+                holders = {c.worker for c in list(coord.pool.in_flight.values()) if c.items}
             if drained is None and "micro-rollout-1" in holders:
                 r = httpx.post(coord.url + "/drain", json={"worker": "micro-rollout-1"},
                                headers={"Authorization": "Bearer t"})
