@@ -11,7 +11,8 @@ Measurements (side by side, in this run, on this machine):
 - rollout_accuracy_start/end: share of correct samples in the first and last step's rollouts (sampled, noisy);
 - greedy_sd_equals_ar: the final greedy evaluation with speculation on and off, token for token;
 - sd_rollout_speedup: one full step batch at the job's temperature on one rollout worker, with speculation and
-  with plain decoding, same weights and seeds, back to back (wall time of the rollout phase only).
+  with plain decoding, same weights and seeds, back to back (wall time of the rollout phase only); the median of
+  the pairs' ratios, with the 90% interval of their geometric mean (sd_rollout_speedup_interval).
 """
 
 from __future__ import annotations
@@ -324,6 +325,7 @@ def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger
         speedup = cmp["speedup_median"]
         summary["sd_rollout_speedup"] = speedup
         summary["sd_rollout_speedups"] = cmp["speedups"]
+        summary["sd_rollout_speedup_interval"] = cmp.get("speedup_interval")
         summary["sd_rollout_seconds"] = cmp["sd_seconds"]
         summary["ar_rollout_seconds"] = cmp["ar_seconds"]
         summary["sd_rollout_acceptance_length"] = acceptance_length(cmp["sd_stats"])
@@ -335,7 +337,8 @@ def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger
         summary["sd_rollout_measurement"] = (
             f"one full step batch (promptsPerStep x groupSize) at the job's temperature on one rollout worker, "
             f"speculative vs plain decoding on the final weights with the same per-sample seeds, {cmp['repeats']} "
-            "pairs in alternating order; median of the per-pair AR/SD wall-time ratios of generate()")
+            "pairs in alternating order (at least 5, more while they took under 6 s); median of the per-pair AR/SD "
+            "wall-time ratios of generate(), and the 90% interval of their geometric mean")
         if records and speedup and speedup > 0:
             # Same steps with the rollout phase at plain-decoding speed: measured train/sync/tail-overlap time plus
             # each step's rollout time scaled by the side-by-side ratio (a projection, not a second run).
@@ -375,8 +378,11 @@ def story_lines(summary: dict[str, Any]) -> list[str]:
                      f"max {rl['max']:.0f}  (p95 = {rl['tail_ratio']:.1f}x the median: the long tail)")
     if "sd_rollout_speedup" in summary:
         acc = summary.get("sd_rollout_acceptance_length")
+        ci = summary.get("sd_rollout_speedup_interval")
         lines.append(f"rollout phase, speculative vs plain decoding (same weights and seeds): "
-                     f"{summary['sd_rollout_speedup']:.2f}x  ({summary['sd_rollout_seconds']:.2f} s vs "
+                     f"{summary['sd_rollout_speedup']:.2f}x"
+                     + (f" [{ci['low']:.2f}, {ci['high']:.2f}]" if ci else "")
+                     + f"  ({len(summary['sd_rollout_speedups'])} pairs, {summary['sd_rollout_seconds']:.2f} s vs "
                      f"{summary['ar_rollout_seconds']:.2f} s"
                      + (f", acceptance length {acc:.2f}" if acc else "")
                      + (f", speculating in {summary['sd_rollout_speculative_steps']} of "

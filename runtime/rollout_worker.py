@@ -427,14 +427,20 @@ class RolloutWorker:
                 "samples_per_problem": repeat, "temperature": 0.0 if samples <= 0 else self.settings.temperature,
                 "difficulty": [p.difficulty for p in problems]}
 
-    def compare_rollout(self, items: list[tuple[str, int]], step: int, repeats: int = 5) -> dict[str, Any]:
+    def compare_rollout(self, items: list[tuple[str, int]], step: int, min_pairs: int = 5, max_pairs: int = 41,
+                        budget_s: float = 6.0) -> dict[str, Any]:
         """The same prompts with SD on and with plain decoding, same weights and per-sample seeds, alternating
-        which goes first; `repeats` pairs, so the median ratio resists load spikes from other processes.
+        which goes first: at least `min_pairs` pairs, then more while the pairs so far took under `budget_s` (at
+        most `max_pairs`), so the median ratio resists load spikes from other processes, and `speedup_interval`
+        (`significance.ratio_interval`) says how far it can be trusted. Why a budget: tiny-local's rollouts take
+        ~0.1 s, and five pairs of them put the same code at 0.86-1.05x from one run to the next.
 
         `sd_trace`/`ar_trace`: the decode steps of the last pair, one `[active batch, SD on, tokens emitted,
         seconds]` each, in order: where in the step the batch shrinks (the long tail) and where speculation ran.
         """
         import statistics
+
+        from .rl.significance import ratio_interval
 
         sd_t, ar_t, ratios = [], [], []
         sd = ar = None
@@ -443,8 +449,11 @@ class RolloutWorker:
         # (the decode-dtype copy of the new weights, first-touch of cache pages) that belong to neither side.
         for use_sd in (True, False):
             self.generate(items, step, use_sd=use_sd)
-        for r in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        r = 0
+        while r < max(1, min_pairs) or (r < max_pairs and time.perf_counter() - t0 < budget_s):
             order = (True, False) if r % 2 == 0 else (False, True)
+            r += 1
             times = {}
             for use_sd in order:
                 engine = self._engine(use_sd)
@@ -463,7 +472,8 @@ class RolloutWorker:
             ratios.append(times[False] / times[True] if times[True] > 0 else float("nan"))
         assert sd is not None and ar is not None
         return {"sd_seconds": statistics.median(sd_t), "ar_seconds": statistics.median(ar_t),
-                "speedup_median": statistics.median(ratios), "speedups": ratios, "sd_tokens": sd["tokens"],
+                "speedup_median": statistics.median(ratios), "speedups": ratios,
+                "speedup_interval": ratio_interval(ratios), "sd_tokens": sd["tokens"],
                 "ar_tokens": ar["tokens"], "sd_stats": sd["stats"], "repeats": len(ratios),
                 "sd_trace": traces[True], "ar_trace": traces[False],
                 "response_lengths": [len(x["response_ids"]) for x in sd["samples"]]}

@@ -52,6 +52,7 @@ from ..engine.adaptive import AdaptiveController, AdaptiveSettings, label
 from ..engine.calibration import Calibration, calibrate
 from ..engine.control import Decision, FixedController, StepRecord
 from ..engine.model_runner import decoder_of
+from ..rl.significance import ratio_interval
 from .lockstep import ring_order, run_lockstep
 
 BENCH_SEED = 20260522
@@ -369,22 +370,6 @@ def paired(a: Sequence[RunResult], b: Sequence[RunResult]) -> dict[str, Any]:
     ratios = [x.tokens_per_s / y.tokens_per_s for x, y in zip(a, b) if y.tokens_per_s > 0]
     return {"ratio": med(ratios), "spread": spread(ratios), "ratios": [round(r, 3) for r in ratios],
             "interval": ratio_interval(ratios)}
-
-
-def ratio_interval(ratios: Sequence[float], level: float = 0.9) -> dict[str, Any] | None:
-    """The geometric mean of paired per-repeat ratios and its `level` confidence interval (Student's t on the
-    logs: a ratio's noise is multiplicative). Why beside the median: on a shared machine one configuration's
-    repeats spread by up to 60%, and whether a median below a target is a miss or noise is what the interval says;
-    None with fewer than two ratios."""
-    logs = [math.log(r) for r in ratios if r > 0]
-    if len(logs) < 2:
-        return None
-    from scipy.stats import t
-
-    mean = statistics.fmean(logs)
-    half = t.ppf(0.5 + level / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return {"geomean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3),
-            "high": round(math.exp(mean + half), 3), "level": level}
 
 
 # batch-size buckets of the common token mix (`mix_rates`): powers of two, the last one up to the step batch

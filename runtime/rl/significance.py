@@ -1,15 +1,17 @@
-"""Is a change in held-out accuracy real? Intervals and a paired test for before/after evaluations.
+"""Is a change real? Intervals and a paired test for before/after evaluations, and for paired speed ratios.
 
 The job evaluates the same held-out samples (same problems, same per-sample seeds) before the first and after
 the last step, so the two outcome lists are paired: McNemar's exact test on the discordant pairs and a normal
 interval on the mean paired difference use that pairing (far tighter than comparing two independent rates).
+Speed comparisons (the benchmark's repeats, the local run's rollout pairs) are paired too: `ratio_interval`.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 Z95 = 1.959963984540054
 
@@ -97,3 +99,19 @@ def length_profile(lengths: Sequence[int]) -> dict[str, float]:
     p95 = float(xs[min(n - 1, max(0, math.ceil(0.95 * n) - 1))])
     return {"median": median, "p95": p95, "max": float(xs[-1]),
             "tail_ratio": p95 / median if median > 0 else 0.0}
+
+
+def ratio_interval(ratios: Sequence[float], level: float = 0.9) -> dict[str, Any] | None:
+    """The geometric mean of paired per-repeat ratios and its `level` confidence interval (Student's t on the
+    logs: a ratio's noise is multiplicative). Why beside the median: on a shared machine one configuration's
+    repeats spread by up to 60%, and whether a median below a target is a miss or noise is what the interval says;
+    None with fewer than two ratios."""
+    logs = [math.log(r) for r in ratios if r > 0]
+    if len(logs) < 2:
+        return None
+    from scipy.stats import t
+
+    mean = statistics.fmean(logs)
+    half = t.ppf(0.5 + level / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"geomean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3),
+            "high": round(math.exp(mean + half), 3), "level": level}

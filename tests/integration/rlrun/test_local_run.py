@@ -64,7 +64,10 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
         assert len(on_disk[f"response_length_{key}_per_step"]) == 3
 
     # speculation vs plain decoding side by side, and what it means for the whole step
-    assert on_disk["sd_rollout_speedup"] > 0 and len(on_disk["sd_rollout_speedups"]) >= 3
+    pairs = on_disk["sd_rollout_speedups"]
+    assert on_disk["sd_rollout_speedup"] > 0 and 5 <= len(pairs) <= 41
+    ci = on_disk["sd_rollout_speedup_interval"]  # the pairs' geomean and its 90% interval
+    assert ci["low"] <= ci["geomean"] <= ci["high"] and min(pairs) <= ci["geomean"] <= max(pairs)
     assert on_disk["sd_rollout_acceptance_length"] >= 1.0
     assert 0 <= on_disk["sd_rollout_speculative_steps"] <= on_disk["sd_rollout_decode_steps"] > 0
     assert on_disk["greedy_sd_equals_ar"] is True
@@ -76,6 +79,7 @@ def test_shortened_tiny_local_reports_the_story(local_ray, micro, tmp_path, caps
     out = capsys.readouterr().out
     assert "held-out accuracy" in out and "McNemar p=" in out and "greedy held-out accuracy" in out
     assert "p95" in out and "speculative vs plain decoding" in out and "rollout share" in out
+    assert f"{on_disk['sd_rollout_speedup']:.2f}x [{ci['low']:.2f}, {ci['high']:.2f}]  ({len(pairs)} pairs" in out
     assert f"speculating in {on_disk['sd_rollout_speculative_steps']} of {on_disk['sd_rollout_decode_steps']}" in out
     for name in ("overview", "reward_accuracy", "response_lengths", "decode_timeline", "acceptance",
                  "time_breakdown"):

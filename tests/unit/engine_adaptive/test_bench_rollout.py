@@ -202,7 +202,7 @@ def test_ratio_interval_covers_the_true_ratio_at_its_level() -> None:
     # geometric mean holds the true ratio in about 90% of benchmarks, and a single ratio has no interval.
     import random
 
-    from specrl.runtime.bench.rollout import ratio_interval
+    from specrl.runtime.rl.significance import ratio_interval
 
     rng = random.Random(5)
     hits = 0
