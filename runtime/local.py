@@ -12,7 +12,7 @@ Measurements (side by side, in this run, on this machine):
 - greedy_sd_equals_ar: the final greedy evaluation with speculation on and off, token for token;
 - sd_rollout_speedup: one full step batch at the job's temperature on one rollout worker, with speculation and
   with plain decoding, same weights and seeds, back to back (wall time of the rollout phase only); the median of
-  the pairs' ratios, with the 90% interval of their geometric mean (sd_rollout_speedup_interval).
+  the pairs' ratios, with its distribution-free 90% interval (sd_rollout_speedup_interval).
 """
 
 from __future__ import annotations
@@ -338,7 +338,7 @@ def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger
             f"one full step batch (promptsPerStep x groupSize) at the job's temperature on one rollout worker, "
             f"speculative vs plain decoding on the final weights with the same per-sample seeds, {cmp['repeats']} "
             "pairs in alternating order (at least 5, more while they took under 6 s); median of the per-pair AR/SD "
-            "wall-time ratios of generate(), and the 90% interval of their geometric mean")
+            "wall-time ratios of generate(), with its distribution-free 90% interval (order statistics)")
         if records and speedup and speedup > 0:
             # Same steps with the rollout phase at plain-decoding speed: measured train/sync/tail-overlap time plus
             # each step's rollout time scaled by the side-by-side ratio (a projection, not a second run).

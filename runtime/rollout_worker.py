@@ -432,15 +432,15 @@ class RolloutWorker:
         """The same prompts with SD on and with plain decoding, same weights and per-sample seeds, alternating
         which goes first: at least `min_pairs` pairs, then more while the pairs so far took under `budget_s` (at
         most `max_pairs`), so the median ratio resists load spikes from other processes, and `speedup_interval`
-        (`significance.ratio_interval`) says how far it can be trusted. Why a budget: tiny-local's rollouts take
-        ~0.1 s, and five pairs of them put the same code at 0.86-1.05x from one run to the next.
+        (`significance.median_interval`, 90%) says how far it can be trusted. Why a budget: tiny-local's rollouts
+        take ~0.1 s, and five pairs of them put the same code at 0.86-1.05x from one run to the next.
 
         `sd_trace`/`ar_trace`: the decode steps of the last pair, one `[active batch, SD on, tokens emitted,
         seconds]` each, in order: where in the step the batch shrinks (the long tail) and where speculation ran.
         """
         import statistics
 
-        from .rl.significance import ratio_interval
+        from .rl.significance import median_interval
 
         sd_t, ar_t, ratios = [], [], []
         sd = ar = None
@@ -473,7 +473,7 @@ class RolloutWorker:
         assert sd is not None and ar is not None
         return {"sd_seconds": statistics.median(sd_t), "ar_seconds": statistics.median(ar_t),
                 "speedup_median": statistics.median(ratios), "speedups": ratios,
-                "speedup_interval": ratio_interval(ratios), "sd_tokens": sd["tokens"],
+                "speedup_interval": median_interval(ratios), "sd_tokens": sd["tokens"],
                 "ar_tokens": ar["tokens"], "sd_stats": sd["stats"], "repeats": len(ratios),
                 "sd_trace": traces[True], "ar_trace": traces[False],
                 "response_lengths": [len(x["response_ids"]) for x in sd["samples"]]}

@@ -115,3 +115,25 @@ def ratio_interval(ratios: Sequence[float], level: float = 0.9) -> dict[str, Any
     half = t.ppf(0.5 + level / 2, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
     return {"geomean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3),
             "high": round(math.exp(mean + half), 3), "level": level}
+
+
+def median_interval(xs: Sequence[float], level: float = 0.9) -> dict[str, Any] | None:
+    """The median of `xs` and a distribution-free `level` confidence interval for it: the order statistics
+    x_(k) and x_(n+1-k) with the largest k whose binomial tail P(Bin(n, 1/2) < k) is at most (1 - level) / 2
+    (`coverage`: the interval's exact level, at least `level`). Why not `ratio_interval` for the local run's
+    rollout pairs: one pair of ~0.1 s rollouts that a load spike hits comes out at 0.2x or 4.6x, and two of those
+    among 31 widened the t interval of the geometric mean to [0.82, 1.05] around pairs that lay within 0.85-0.98;
+    order statistics ignore how far out an outlier lies. None where n is too small for `level` (n < 5 at 90%)."""
+    vals = sorted(x for x in xs if not math.isnan(x))
+    n = len(vals)
+    tail = (1.0 - level) / 2.0
+    k, below = 0, 0.0  # below: P(Bin(n, 1/2) < k + 1)
+    while k < n // 2:
+        nxt = below + math.comb(n, k) / 2.0**n
+        if nxt > tail:
+            break
+        k, below = k + 1, nxt
+    if k == 0:
+        return None
+    return {"median": statistics.median(vals), "low": vals[k - 1], "high": vals[n - k], "level": level,
+            "coverage": round(1.0 - 2.0 * below, 4)}
