@@ -60,7 +60,10 @@ That was 61–76 µs a step at batch 1 to 16 on the benchmark's machine (AMD EPY
 the decode loop) when every step that did not hold folded. Most of a fold's cost is its first record (~140 µs a
 fold of about two records in the decode loop on a Zen 5, against 13 µs a record in a tight loop), so folding only
 where something reads the records and reading the tables as last computed on admission (`warm_proposers`) keep it
-to a fold every few steps (at batch 4 in the benchmark's sweep: 194 µs of policy a step before, 123 after).
+to a fold every few steps (at batch 4 in the benchmark's sweep: 194 µs of policy a step before, 123 after). A plain
+step's record reads t(b) twice as it folds (how far it moved the estimate); at a batch size already measured that
+is a lookup, not an interpolation that sorted every measured size: tiny-local's plain records folded in 7.5 µs
+each in a tight loop, 3.1 after, and the folds of its rollouts went from ~1.1 ms to ~0.7 ms of ~97.
 
 **Settled tables.** Where plain decoding wins by more than a probe could overturn (every proposer is predicted
 slower than plain decoding even with `probe_optimism` more acceptance), the table is *settled*: it stands
@@ -263,6 +266,7 @@ class AdaptiveController:
         names = list(dict.fromkeys(m for m in methods if m and m != "none"))
         self.methods = names if s.strategy else names[:1]
         self.metrics = metrics
+        self._reported: Decision | None = None  # what the gauges show (they are set when it changes, not every step)
         self.estimates = Estimates(self.methods, cost_model, s, alpha_priors)
         self._probing: tuple[Decision, int] | None = None  # a probe burst in progress: (option, steps left)
         self._tables: dict[int, _Table] = {}  # per batch key
@@ -513,7 +517,8 @@ class AdaptiveController:
         return until
 
     def _report(self, decision: Decision) -> None:
-        if self.metrics is not None:
+        if self.metrics is not None and decision != self._reported:
+            self._reported = decision
             self.metrics.spec_decode_enabled.set(1 if is_speculative(decision) else 0)
             self.metrics.spec_decode_draft_length.set(decision.gamma if is_speculative(decision) else 0)
 

@@ -179,7 +179,10 @@ class CostModel:
         return method in self.draft_step or method in self.draft_round
 
     def t_ar(self, batch: int) -> float:
-        return _interp(self.target_step, batch)
+        # a measured batch size is its own value (what the interpolation gives there, without sorting the keys:
+        # every step folded into the estimates reads it twice)
+        exact = self.target_step.get(batch)
+        return exact if exact is not None else _interp(self.target_step, batch)
 
     def v(self, batch: int, gamma: int) -> float:
         """verify(γ+1 tokens) / `plain_step` at this batch size (linear in tokens between measured k)."""

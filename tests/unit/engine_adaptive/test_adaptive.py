@@ -387,6 +387,9 @@ def test_metrics_stats_and_the_per_batch_size_table() -> None:
     assert table[0][0] == 1 and table[0][2] > 0 and table[-1][1] == 64 and table[-1][2] == 0
     for (_, e0, _), (s1, _, _) in itertools.pairwise(table):
         assert s1 == e0 + 1
+    # the gauges follow every change of the decision (they are set on a change, not at every step)
+    assert ctrl.decide(1) == d1 and metrics.spec_decode_enabled._value.get() == 1
+    assert metrics.spec_decode_draft_length._value.get() == d1.gamma
 
 
 def test_switches_off_what_the_settings_switch_off() -> None:
@@ -425,6 +428,15 @@ def test_cost_model_roundtrips_and_interpolates() -> None:
     assert again.v(4, 4) == pytest.approx(model.v(4, 4))
     assert model.t_ar(1) < model.t_ar(4) < model.t_ar(16)
     assert model.v(1, 2) < model.v(1, 4) and model.v(1, 4) < model.v(16, 4)
+    # a measured batch size reads its own value, bit for bit what the interpolation gives there (it skips sorting
+    # the keys), and clamps at the ends
+    from specrl.runtime.engine.cost_model import _interp
+
+    steps = {1: 1.3e-3, 3: 1.7e-3, 4: 2.1e-3, 16: 3.9e-3, 384: 0.031}
+    odd = CostModel(target_step=steps, verify_step={})
+    for b in (*steps, 2, 5, 12, 17, 200, 500):
+        assert odd.t_ar(b) == _interp(steps, b)
+    assert odd.t_ar(3) == 1.7e-3 and odd.t_ar(500) == 0.031
 
 
 def test_round_seconds_reads_measured_entries_as_round_cost_computes_them() -> None:
