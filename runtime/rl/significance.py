@@ -3,7 +3,8 @@
 The job evaluates the same held-out samples (same problems, same per-sample seeds) before the first and after
 the last step, so the two outcome lists are paired: McNemar's exact test on the discordant pairs and a normal
 interval on the mean paired difference use that pairing (far tighter than comparing two independent rates).
-Speed comparisons (the benchmark's repeats, the local run's rollout pairs) are paired too: `ratio_interval`.
+Speed comparisons are paired too: `ratio_interval` for the benchmark's few repeats (the geometric mean's t
+interval), `median_interval` for the local run's many rollout pairs (order statistics, which outliers cannot stretch).
 """
 
 from __future__ import annotations
