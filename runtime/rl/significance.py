@@ -128,7 +128,7 @@ def median_interval(xs: Sequence[float], level: float = 0.9) -> dict[str, Any] |
     vals = sorted(x for x in xs if not math.isnan(x))
     n = len(vals)
     tail = (1.0 - level) / 2.0
-    k, below = 0, 0.0  # below: P(Bin(n, 1/2) < k + 1)
+    k, below = 0, 0.0  # below: P(Bin(n, 1/2) < k), the chance that x_(k) lies above the median
     while k < n // 2:
         nxt = below + math.comb(n, k) / 2.0**n
         if nxt > tail:
