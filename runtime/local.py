@@ -332,6 +332,8 @@ def summarize(settings: RunSettings, records: list[dict], measures: dict, ledger
         if cmp.get("sd_trace"):  # the decode steps of the last pair: how many of them the policy speculated in
             summary["sd_rollout_decode_steps"] = len(cmp["sd_trace"])
             summary["sd_rollout_speculative_steps"] = sum(1 for step in cmp["sd_trace"] if step[1])
+        if cmp.get("policy_at_batch_1"):
+            summary["sd_policy_at_batch_1"] = cmp["policy_at_batch_1"]
         if cmp.get("response_lengths"):
             summary["sd_rollout_response_length"] = length_profile(cmp["response_lengths"])
         summary["sd_rollout_measurement"] = (
@@ -388,6 +390,12 @@ def story_lines(summary: dict[str, Any]) -> list[str]:
                      + (f", speculating in {summary['sd_rollout_speculative_steps']} of "
                         f"{summary['sd_rollout_decode_steps']} decode steps" if "sd_rollout_decode_steps" in summary
                         else "") + ")")
+        at_one = summary.get("sd_policy_at_batch_1")
+        if summary.get("sd_rollout_speculative_steps") == 0 and at_one:
+            m, (speed, gamma) = max(at_one.items(), key=lambda kv: kv[1][0])
+            lines.append(f"  speculation never paid here: at batch 1, where every long tail ends, the policy predicts "
+                         f"{m} (γ={gamma}) at {speed:.2f}x plain decoding, so it decoded plainly throughout; the gap "
+                         "above is its own bookkeeping (and noise)")
     if summary.get("steps"):
         line = f"rollout share of the step: {100 * summary['rollout_share']:.0f}%"
         if "step_seconds_sd_off_projected" in summary:

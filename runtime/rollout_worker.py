@@ -435,6 +435,7 @@ class RolloutWorker:
         (`significance.median_interval`, 90%) says how far it can be trusted. Why a budget: tiny-local's rollouts
         take ~0.1 s, and five pairs of them put the same code at 0.86-1.05x from one run to the next.
 
+        `policy_at_batch_1`: the adaptive policy's predicted speed (vs plain decoding) and γ per proposer at batch 1.
         `sd_trace`/`ar_trace`: the decode steps of the last pair, one `[active batch, SD on, tokens emitted,
         seconds]` each, in order: where in the step the batch shrinks (the long tail) and where speculation ran.
         """
@@ -471,7 +472,13 @@ class RolloutWorker:
             ar_t.append(times[False])
             ratios.append(times[False] / times[True] if times[True] > 0 else float("nan"))
         assert sd is not None and ar is not None
+        # What the adaptive policy predicts at batch 1, the end of every long tail: where it never speculated, this
+        # says by how far speculation falls short on this model and machine (per proposer, [speed vs plain, γ]).
+        table = getattr(self.engine.controller, "table", None)
+        at_one = {m: [round(speed, 3), d.gamma] for m, (speed, d) in table(1).items() if m is not None} \
+            if callable(table) else None
         return {"sd_seconds": statistics.median(sd_t), "ar_seconds": statistics.median(ar_t),
+                "policy_at_batch_1": at_one,
                 "speedup_median": statistics.median(ratios), "speedups": ratios,
                 "speedup_interval": median_interval(ratios), "sd_tokens": sd["tokens"],
                 "ar_tokens": ar["tokens"], "sd_stats": sd["stats"], "repeats": len(ratios),

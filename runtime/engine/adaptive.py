@@ -5,81 +5,48 @@ draft length γ emits b·L_m(γ) tokens, L = 1 + Σ_{i≤γ} Π_{j≤i} p_j (p_j
 drafts 1..j−1 were; a single α gives the geometric (1 − α^(γ+1)) / (1 − α)), and costs ``d_m(b, γ) + t_v(b, γ+1)``:
 the proposer's drafting (its catch-up on unseen tokens plus γ draft steps) and one target forward over γ+1 tokens.
 Its speed relative to plain decoding is ``L / (d + v)`` in units of t(b). Every step the controller takes the
-argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy — with:
+argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy. What feeds it and what guards it:
 
-* **estimates** (`estimates.py`): t(b), t_v(b, k) and d_m(b, γ) from the calibration and then from what the
-  steps measure, α_m and its shape over the draft positions, and the stop hazard h(b) (a round also ends where
-  its sequence does). A step whose estimate moves by 10% when it is folded recomputes its batch size's table (a
-  held step 1.5x off its prediction is folded at the next step, see below): the calibration decodes short
-  sequences, and a drafter whose cost grows with the context looks cheaper there than it is in the tail;
-* **margin**: a proposer runs only where it is predicted `margin` faster than plain decoding (its speed is an
-  estimate, plain decoding's a measurement: in a near-tie the error is larger than the gain);
-* **length ties**: a proposer drafts the shortest γ predicted within `length_tie` of its best. The benchmark's draft
-  model at batch 1 is predicted within 2% at γ = 4..7 (a flat optimum; the policy ran γ=7 in one benchmark run
-  and γ=5 in the next); a longer draft depends on more acceptance probabilities at once, so an overestimated α costs it
-  more than an underestimated one gains it (`CostModel.best_gamma`). Questioned on a Zen 5: two fresh policies
-  with and without the tie in one lockstep ring, batch 4 and 8, eight repeats each, ran 5% apart for no tie (13
-  of 16 pairs), but two benchmark runs without it left the sweep where it was (0.93-1.01 per batch size), so it
-  stays;
-* **hysteresis**: switching to a different proposer, or from plain decoding to one, must beat the current choice
-  by `hysteresis` (a proposer with its own KV cache pays a catch-up on every token it missed when it is switched
-  back in, and a flapping policy pays it often). Falling back to plain decoding is never held back: it has nothing
-  to catch up, and a rollout's batch is refilled at full size right after a tail that ran speculation, where a
-  held speculative incumbent would cost up to `hysteresis` on every step of the batch's most expensive phase;
-* **plain rechecks**: every forward's cost grows with the rows' contexts (attention reads them), and speculation
-  is worth only what it saves against a plain step *now*. While a proposer runs, one plain step now and then keeps
-  that cost current: every `recheck` steps at a batch size, or less often where speculation is predicted to win by
-  more (each recheck gives up that gain for a step: at most `recheck_cost` of the time). Plain decoding's estimate
-  reads only the samples of the last `horizon` steps (`estimates.RECENT_MIN` at least), so a recheck replaces what was
-  measured on other rows: on the benchmark, a batch of 16 new rows inherited the plain cost of the previous batch's
-  long contexts (15% dearer) and ran speculation at 0.87-0.97x plain decoding on the strength of it. The
-  speculative options keep their whole window: each of them is the argmax only where its estimate is lowest, and
-  on the last few samples the lucky ones won (every estimate on its last 16 steps' samples spread batch 2 over four
-  draft lengths, 0.93x the best fixed);
-* **probes**: a share `probe` of the steps runs the option that has gone longest without a measurement — plain
-  decoding included — so a drafter that improves (it is trained while the job runs) or a machine that got slower
-  is noticed. Only options that could change the choice are probed: a proposer must beat the best prediction
-  with an acceptance `probe_optimism` above its estimate. Options never measured at all and without a calibration
-  are probed first. Probes run only at batch sizes up to `probe_max_batch`: the long tail is where speculation can
-  pay, and a probe burst at a full step batch (384 rows in tiny-local) verifies γ+1 tokens per row for ~1.3
-  accepted, at the batch where a step costs most;
-* **neighbours**: at the same batch sizes, every `neighbour` steps the running proposer drafts one token more or
-  one less (in turn) than the argmax's γ. How fast a shared machine runs drifts by tens of percent within a
-  minute, and the estimates' low quantiles favour whichever length was timed in a fast minute: a length timed only
-  in a slow one was never run again (on the benchmark at batch 16, slow first timings priced γ=4 at 0.73x γ=3,
-  and γ=3 ran every step of whole rollouts, 0.93x fixed γ=4). A neighbour step keeps the lengths around the argmax
-  timed in the same minutes, for the small gap between two neighbouring lengths one step in `neighbour`.
+* **estimates** (`estimates.py`): t(b), t_v(b, k) and d_m(b, γ) from the calibration and then from what the steps
+  measure; α_m and its shape over the draft positions; the stop hazard h(b) (a round also ends where its sequence
+  does). A record that moves its estimate by 10% recomputes its batch size's table.
+* **margin**: a proposer runs only where it is predicted `margin` faster than plain decoding: its speed is an
+  estimate, plain decoding's a measurement, and in a near-tie the estimate's error is larger than the gain.
+* **length ties**: a proposer drafts the shortest γ predicted within `length_tie` of its best: a longer draft rests
+  on more acceptance probabilities at once, so an overestimated α costs it more than an underestimated one gains.
+* **hysteresis**: switching proposer, or from plain decoding to one, must win by `hysteresis` (a drafter with a
+  cache of its own pays a catch-up each time it is switched back in). Falling back to plain decoding is never held
+  back: it has nothing to catch up on, and a refilled full batch is where a held drafter would cost most.
+* **plain rechecks**: every forward grows dearer with the rows' contexts, and speculation is worth only what it
+  saves against a plain step *now*; while a proposer runs, a plain step every so often (at most `recheck_cost` of
+  the time) keeps that cost current. Plain decoding's estimate reads only the last `horizon` steps.
+* **probes**: a share `probe` of the steps (bursts of `probe_run`, at batch sizes up to `probe_max_batch`, where
+  speculation can pay) runs the option longest unmeasured, so a drafter that improves (it is trained while the
+  job runs) or a machine that slows down is noticed. Only options that could change the choice are probed: with
+  `probe_optimism` more acceptance than estimated, a proposer would have to beat the best prediction.
+* **neighbours**: every `neighbour` steps the running proposer drafts one token more or one less than the
+  argmax's γ, so the lengths around it are timed in the same minutes (a shared machine's speed drifts by tens of
+  percent within a minute, and a length timed only in a slow one would never run again).
 
-**What a step costs the policy.** Inside the decode loop the weight streams keep the interpreter's code and data
-cold: estimating at every step cost 130–165 µs of Python a step (3% of a speculative step at batch 2).
-So the argmax is held while nothing can change it — the same batch size, its table not due for its refresh
-(`refresh` steps), no probe due, and no step costing `SURPRISE` times more or less than predicted — and a held step
-only keeps its record; the records are folded into the estimates, in order, when something reads them: a table's
-computation (a table is never computed from records not folded yet), the step after a surprise, a probe's choice.
-That was 61–76 µs a step at batch 1 to 16 on the benchmark's machine (AMD EPYC Zen 4, the bench models, timed inside
-the decode loop) when every step that did not hold folded. Most of a fold's cost is its first record (~140 µs a
-fold of about two records in the decode loop on a Zen 5, against 13 µs a record in a tight loop), so folding only
-where something reads the records and reading the tables as last computed on admission (`warm_proposers`) keep it
-to a fold every few steps (at batch 4 in the benchmark's sweep: 194 µs of policy a step before, 123 after). A plain
-step's record reads t(b) twice as it folds (how far it moved the estimate); at a batch size already measured that
-is a lookup, not an interpolation that sorted every measured size: tiny-local's plain records folded in 7.5 µs
-each in a tight loop, 3.1 after, and the folds of its rollouts went from ~1.1 ms to ~0.7 ms of ~97.
+**What a step costs the policy.** Inside the decode loop the interpreter's code and data are cold, and estimating
+at every step cost 130–165 µs (3% of a speculative step at batch 2). So the argmax is *held* while nothing can
+change it (the same batch size, its table not due for a refresh, no probe due, no step `SURPRISE` times off its
+prediction), a held step only keeps its record, and the records are *folded* into the estimates, in order, when
+something reads them (a table's computation, a probe's choice, the step after a surprise). A table is never
+computed from records not folded yet.
 
-**Settled tables.** Where plain decoding wins by more than a probe could overturn (every proposer is predicted
-slower than plain decoding even with `probe_optimism` more acceptance), the table is *settled*: it stands
-`settled_refresh` steps instead of `refresh`, and through cost moves its margin covers, until a speculative step
-moves acceptance. Plain decoding held at one batch size carries on into any batch size whose table is settled
-without computing anything. Why: tiny-local's rollouts shrink from 384 rows to 1 in ~120 steps, at a new batch size
-almost every step and speculation off throughout; every new size computed its table and folded (~65 µs, a
-plain-step estimate resting on a few samples moved 10% at a jitter and dropped the table at every visit), on steps
-of 75–600 µs. The policy cost 4% of the rollout (`make run` compared speculation with plain decoding at
-0.89–0.96x); settled, 1.5–3%, most of it folding the records (whose verify pooling waits for a read of the costs,
-`Estimates.costs`).
+**Settled tables.** Where plain decoding wins by more than a probe could overturn, the table is settled: it stands
+`settled_refresh` steps instead of `refresh`, through cost moves its margin covers, until a speculative step moves
+acceptance, and plain decoding held at one batch size carries on into any batch size whose table is settled
+without computing anything. A GRPO rollout's batch shrinks every step or two, and without this every new size
+computed a table on steps of well under a millisecond (tiny-local).
 
-The engine prefills on admission only the drafters this policy names warm (`warm_proposers`: the one it will run at
-the batch the admission makes and, if cheap, the argmax at batch 1); the others catch up from the prompt when a
-probe or a switch first runs them. Nothing here touches the sampling RNG: the
-choice never changes the distribution of the sampled tokens (every option is lossless).
+The engine prefills on admission only the drafters this policy names warm (`warm_proposers`); the others catch up
+from the prompt when a probe or a switch first runs them. Nothing here touches the sampling RNG, so the choice
+never changes the distribution of the sampled tokens (every option is lossless).
+
+The measurements behind each mechanism, and the alternatives tried and reverted, are in
+docs/performance-history.md (search for the mechanism's name).
 """
 
 from __future__ import annotations
