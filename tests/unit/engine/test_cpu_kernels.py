@@ -179,6 +179,34 @@ def test_linear_bf16_rows_do_not_depend_on_the_batch(matmul_path: str) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 48])  # 48: not a whole number of vector registers' worth
+def test_attention_is_the_softmax_of_its_scores_at_every_context_length(head_dim: int) -> None:
+    """`attend` (the attention of every fused forward) against float64 at contexts of 1 to 70 positions: the scores
+    go 16 positions at a time with the rest one by one, so every split of a context into blocks and a tail is
+    crossed; and a query's output is the same whatever else is in the call (a verification's tokens, other rows)."""
+    kernels = cpu_kernels.load()
+    g = torch.Generator().manual_seed(11)
+    nh, nkv, max_len, scaling = 6, 2, 80, head_dim ** -0.5
+    kc = torch.randn(3, nkv, max_len, head_dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(3, nkv, max_len, head_dim, generator=g).to(torch.bfloat16)
+    q = (2 * torch.randn(2, nh, 5, head_dim, generator=g)).to(torch.bfloat16)
+    for start in (0, 11, 15, 16, 31, 32, 47, 65):
+        positions = torch.tensor([[start + t for t in range(5)], [min(start + 3 + t, 79) for t in range(5)]])
+        out = kernels.attend(q, kc, vc, 1, positions, max_len, scaling).double()
+        for b in range(2):
+            for h in range(nh):
+                k, v = kc[1 + b, h // (nh // nkv)].double(), vc[1 + b, h // (nh // nkv)].double()
+                for t in range(5):
+                    n = int(positions[b, t]) + 1
+                    w = torch.softmax((q[b, h, t].double() * scaling) @ k[:n].t(), dim=-1)
+                    ref = w @ v[:n]
+                    assert torch.allclose(out[b, h, t], ref, rtol=2e-2, atol=2e-2), (start, b, h, t)
+        # one token of one row alone computes what it computed beside the others
+        alone = kernels.attend(q[1:, :, 2:3], kc, vc, 2, positions[1:, 2:3], max_len, scaling)
+        assert torch.equal(alone, out[1:, :, 2:3].to(torch.bfloat16))
+
+
+@needs_kernels
 def test_linear_q4_matches_its_dequantized_weights() -> None:
     g = torch.Generator().manual_seed(1)
     w = torch.randn(96, 128, generator=g)
