@@ -683,6 +683,14 @@ static void weighted_values(const float* p, const bf16* V, int64_t len, float* o
   for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + 16 * c, acc[c]);
 }
 
+// A position's products q_d k_d in 16 lanes (one FMA chain over d in steps of 16): the blocks sum 16 such vectors
+// with `sum16`, the tail one with `_mm512_reduce_add_ps`, which add the lanes in the same order.
+__attribute__((always_inline)) static inline __m512 dot_lanes(const float* qf, const bf16* kj, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(kj + d), acc);
+  return acc;
+}
+
 // softmax(q K[0..len)^T * scaling) V[0..len) for one query head, fp32 inside, bf16 out. The one attention
 // routine of both the fused batch-1 step and `attend` (the per-op path's few-token forwards), so a plain step and
 // the verification of a draft compute every attention output identically. Its time grows with the context: on
@@ -701,12 +709,7 @@ static void attend_row(const bf16* q, const bf16* K, const bf16* V, int64_t len,
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (; j0 + 16 <= len; j0 += 16) {
       __m512 dots[16];
-      for (int p = 0; p < 16; ++p) {
-        const bf16* kj = K + (j0 + p) * D;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(kj + d), acc);
-        dots[p] = acc;
-      }
+      for (int p = 0; p < 16; ++p) dots[p] = dot_lanes(qf, K + (j0 + p) * D, D);
       const __m512 s = sum16(dots);
       _mm512_storeu_ps(scores + j0, s);
       mv = _mm512_max_ps(mv, s);
@@ -717,9 +720,7 @@ static void attend_row(const bf16* q, const bf16* K, const bf16* V, int64_t len,
     const bf16* kj = K + j * D;
     float s = 0.f;
     if (vec) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(kj + d), acc);
-      s = _mm512_reduce_add_ps(acc);
+      s = _mm512_reduce_add_ps(dot_lanes(qf, kj, D));
     } else {
       for (int64_t d = 0; d < D; ++d) s += qf[d] * from_bf16(kj[d]);
     }
