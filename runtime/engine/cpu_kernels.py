@@ -147,9 +147,10 @@ static inline const bf16* block_at(const bf16* Wp, int64_t j, int64_t blocks, in
 
 // Software prefetch distance of the weight streams (`tile`, `q4_tile`): each reads its weights as one sequential run,
 // and the hardware prefetchers alone keep too few lines in flight (they stop at 4 KB pages). SmolLM2-shaped stacks of
-// 120 matmuls streamed from memory (Zen 5 EPYC, one thread, medians of 5 rounds), ms without -> with: bf16 at 1 / 5
-// / 12 rows 6.3 / 8.5 / 11.6 -> 6.1 / 6.1 / 8.8 (so a 5-token verification now costs what one token does), 4-bit at
-// 1 / 2 / 4 rows 2.35 / 3.48 / 4.62 -> 1.78 / 2.30 / 3.48; 4 KB ahead did less at 5 rows, 16 KB no better.
+// 120 matmuls streamed from memory (Zen 5 EPYC, one thread, medians of 5 rounds), ms without -> with: bf16 at 5 / 12
+// rows 8.0-8.5 / 10.5-11.6 -> 6.1-6.4 / 8.8-9.3 (so a 5-token verification's matmuls cost what one token's do; one
+// row 5.8-6.3 either way), 4-bit at 1 / 2 / 4 rows 2.3 / 3.4-3.5 / 4.6-4.8 -> 1.8-1.9 / 2.3-2.5 / 3.5-3.7. 4 KB ahead
+// did less at 5 rows, 16 KB no better.
 constexpr int64_t PREFETCH_BYTES = 8192;
 
 template <int MB, int NB>
@@ -166,8 +167,8 @@ static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wb[j] + k2 * stride[j]);
     if (NB == GROUP)  // a whole group's step is NB adjacent lines of one stream (a narrower group's is not)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(wb[0] + k2 * stride[0]) + PREFETCH_BYTES + j * 64, _MM_HINT_T0);
+      for (int line = 0; line < NB; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(wb[0] + k2 * stride[0]) + PREFETCH_BYTES + line * 64, _MM_HINT_T0);
     for (int m = 0; m < MB; ++m) {
       int32_t pair;  // (x_2k2, x_2k2+1) as one 32-bit lane
       std::memcpy(&pair, xr[m] + 2 * k2, 4);
