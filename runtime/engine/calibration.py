@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,8 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
     other γ in `verify_gammas` (default: 1 to the engine's longest draft), drafted by the cheapest proposer that
     drafts full rounds: its cost is not linear in the tokens between two measured lengths (the CPU kernels take the
     rows of a forward in chunks of 6: at batch 4, 2 tokens a row cost 1.75 plain steps and 3 cost 1.83, where a
-    line through 1 and 3 put 2 at 1.28, and the policy ranked γ=1 above γ=2, which ran 1.06x faster). Only steps at
+    line through 1 and 3 put 2 at 1.28, and the policy ranked γ=1 above γ=2, which ran 1.06x faster). Every length
+    is timed from that proposer's rounds that drafted γ on every row (`_verify_lengths`). Only steps at
     exactly batch b that ran the decision unchanged count; rounds are interleaved so a burst of load spreads over
     every measurement. The engine's controller is restored afterwards; its stats keep the calibration steps (they
     are real decode steps).
@@ -68,10 +69,12 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
     saved = engine.controller
     start = time.perf_counter()
     ar: dict[int, list[float]] = {b: [] for b in sizes}
-    verify: dict[int, dict[int, list[float]]] = {b: {} for b in sizes}
+    # per (proposer, b): the verification's seconds per length k, from the rounds that drafted γ = k-1 on every row
+    verify: dict[tuple[str, int], dict[int, list[float]]] = {}
     draft: dict[tuple[str, int, int], list[float]] = {}
     alphas: dict[str, list[float]] = {m: [] for m in methods}
     full: dict[tuple[str, int], bool] = {}  # (proposer, b): every measured round drafted γ tokens on every row
+    reference: dict[int, str] = {}  # per b: the proposer whose rounds time the verification at every length
 
     def run(b: int, decision: Decision, new_tokens: int) -> list[StepRecord]:
         fixed = FixedController(decision.method, decision.gamma, clock=clock)
@@ -96,18 +99,21 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
                         if progress:
                             progress(f"calibrate: batch {b} {m} γ={g}")
                         recs = run(b, Decision(m, g), (g + 1) * max(2, steps // 3) + 2)
-                        verify[b].setdefault(g + 1, []).extend(r.target_seconds for r in recs)
+                        verify.setdefault((m, b), {}).setdefault(g + 1, []).extend(
+                            r.target_seconds for r in recs if r.draft_tokens == b * g)
                         draft.setdefault((m, b, g), []).extend(r.draft_seconds for r in recs)
                         alphas[m] += [a for r in recs if (a := round_alpha_from_record(r)) is not None]
                         full[(m, b)] = full.get((m, b), True) and all(r.draft_tokens == b * g for r in recs)
                 drafters = [m for m in methods if full.get((m, b)) and draft.get((m, b, gammas[-1]))]
-                if drafters and verify_only:
-                    cheapest = min(drafters, key=lambda m: low_percentile(draft[(m, b, gammas[-1])]))
+                if drafters:
+                    cheapest = reference.setdefault(
+                        b, min(drafters, key=lambda m: low_percentile(draft[(m, b, gammas[-1])])))
                     for g in verify_only:
                         if progress:
                             progress(f"calibrate: batch {b} verify {g + 1} tokens")
                         recs = run(b, Decision(cheapest, g), (g + 1) * max(2, steps // 3) + 2)
-                        verify[b].setdefault(g + 1, []).extend(r.target_seconds for r in recs)
+                        verify.setdefault((cheapest, b), {}).setdefault(g + 1, []).extend(
+                            r.target_seconds for r in recs if r.draft_tokens == b * g)
     finally:
         engine.controller = saved
     draft_step: dict[str, dict[int, float]] = {}
@@ -129,8 +135,26 @@ def calibrate(engine: Any, prompts: Sequence[Sequence[int]], methods: Sequence[s
             draft_round.setdefault(m, {})[b] = dict(by_g)
     target = {b: low_percentile(xs) for b, xs in ar.items() if xs}
     model = CostModel(target_step=target,
-                      verify_step={b: {1: target[b], **{k: low_percentile(v) for k, v in by_k.items() if v}}
-                                   for b, by_k in verify.items() if b in target},
+                      verify_step={b: {1: target[b], **_verify_lengths(verify, methods, b, reference.get(b))}
+                                   for b in sizes if b in target},
                       draft_step=draft_step, overhead=overhead, draft_round=draft_round)
     alpha = {m: sum(xs) / len(xs) for m, xs in alphas.items() if xs}
     return Calibration(model, alpha, time.perf_counter() - start)
+
+
+def _verify_lengths(verify: Mapping[tuple[str, int], Mapping[int, list[float]]], methods: Sequence[str], b: int,
+                    reference: str | None) -> dict[int, float]:
+    """The verification's seconds per length at batch b, every length from the rounds of one proposer (`reference`;
+    the others' only where it timed none). Why one: a forward costs more after a drafter that streams more memory
+    of its own (the bench model's weights are larger than the L3), and pooled over every proposer's rounds the
+    lengths every proposer ran (γ = 2 and 6) were timed after the n-gram matcher's free drafting, the rest after the
+    cheapest full drafter's. At batch 2 on a Zen 5 (32 MiB L3), 3 tokens then stood at 1.87 ms and 4 at 2.96, the
+    draft model's rounds measured 2.09 and 2.57; the policy's estimates scale every length by what the running
+    lengths cost against their calibration, so that dip priced γ=4's verification 30% over its cost, and it drafted
+    γ=2, which ran at 0.91x fixed γ=4."""
+    pooled: dict[int, list[float]] = {}
+    for m in methods:
+        for k, xs in verify.get((m, b), {}).items():
+            pooled.setdefault(k, []).extend(xs)
+    own = verify.get((reference, b), {}) if reference is not None else {}
+    return {k: low_percentile(own[k] if own.get(k) else xs) for k, xs in sorted(pooled.items()) if xs}

@@ -588,6 +588,21 @@ def test_calibration_times_the_verification_at_every_draft_length(target) -> Non
     assert sorted(skipped.cost_model.verify_step[1]) == [1, 3]
 
 
+def test_calibration_times_every_verify_length_after_one_proposer() -> None:
+    """A forward costs more after a drafter that streams memory of its own, so the verify lengths come from one
+    proposer's rounds: pooled over every proposer, the lengths all of them ran were timed after the free n-gram
+    drafting and made a dip in the costs that the policy's estimates spread to every other length."""
+    from specrl.runtime.engine.calibration import _verify_lengths
+
+    verify = {("ngram", 2): {3: [1.0, 1.1], 7: [2.0]},
+              ("draft_model", 2): {3: [1.3, 1.2, 1.4], 4: [1.6], 7: [2.5]},
+              ("eagle", 2): {9: [3.0]}}
+    methods = ["draft_model", "ngram", "eagle"]
+    assert _verify_lengths(verify, methods, 2, "draft_model") == {3: 1.2, 4: 1.6, 7: 2.5, 9: 3.0}
+    assert _verify_lengths(verify, methods, 2, None) == {3: 1.1, 4: 1.6, 7: 2.0, 9: 3.0}  # no full drafter: pooled
+    assert _verify_lengths(verify, methods, 4, "draft_model") == {}
+
+
 @pytest.mark.parametrize("method", ["none", "draft_model", "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_one_host_transfer_per_decode_step(method: str, temperature: float, target, draft,
