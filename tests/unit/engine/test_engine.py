@@ -588,6 +588,19 @@ def test_calibration_times_the_verification_at_every_draft_length(target) -> Non
     assert sorted(skipped.cost_model.verify_step[1]) == [1, 3]
 
 
+def test_calibration_times_every_verify_length_where_rows_end_apart(target, draft) -> None:
+    """A drafter that disagrees with the target moves its rows at different speeds, so the last rounds of a run
+    draft less on the rows near their token budget. Those rounds neither time the drafter nor keep it from timing
+    the verification at every length (at batch 4 and up nearly every run ended so, and only the two lengths every
+    proposer ran were timed)."""
+    from specrl.runtime.engine.calibration import calibrate
+
+    engine = RolloutEngine(target, SpeculativeConfig(method="draft_model", max_speculative_tokens=4),
+                           draft_model=draft, max_batch_size=4)
+    cal = calibrate(engine, PROMPTS[:4], methods=["draft_model"], batch_sizes=(4,), gammas=(2,), steps=6, rounds=1)
+    assert sorted(cal.cost_model.verify_step[4]) == [1, 2, 3, 4, 5]
+
+
 def test_calibration_times_every_verify_length_after_one_proposer() -> None:
     """A forward costs more after a drafter that streams memory of its own, so the verify lengths come from one
     proposer's rounds: pooled over every proposer, the lengths all of them ran were timed after the free n-gram
