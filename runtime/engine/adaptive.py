@@ -108,7 +108,11 @@ class _Table:
     plain_seconds: float  # a plain step's estimate at this batch size when the table was computed
     # the fastest proposer's predicted speed with `probe_optimism` more acceptance (inf: not computed, not settled)
     optimistic: float = math.inf
-    period: int = 0  # the steps it stands (`until - step`): `refresh`, doubled while recomputations confirm it
+
+    @property
+    def period(self) -> int:
+        """The steps it stands: `refresh`, doubled while recomputations confirm it (`settled_refresh` if settled)."""
+        return self.until - self.step
 
     @property
     def settled(self) -> bool:
@@ -305,7 +309,7 @@ class AdaptiveController:
             period = min(max(cached.period, s.refresh) * 2, s.stable_refresh)
         else:
             period = s.refresh
-        table = self._tables[key] = _Table(self.steps, self.steps + period, out, plain, optimistic, period)
+        table = self._tables[key] = _Table(self.steps, self.steps + period, out, plain, optimistic)
         return table
 
     def choose(self, batch: int) -> Decision:
@@ -315,7 +319,7 @@ class AdaptiveController:
     def _pick(self, options: Options) -> Decision:
         if not options:  # plain decoding excluded and nothing measured yet: try the first proposer
             return Decision(self.methods[0], self.settings.gamma)
-        best = max(options, key=lambda k: options[k][0])
+        best = _leader(options).method
         incumbent = self.current.method if is_speculative(self.current) else None
         if best is not None and incumbent in options \
                 and options[best][0] < options[incumbent][0] * (1 + self.settings.hysteresis):
@@ -535,7 +539,7 @@ class AdaptiveController:
         # fold, which the weight streams leave cold), 1.8% of the decode time.
         running = self._pick(self._last_options(active_batch_size)).method
         tail = self._last_options(1)
-        best = tail[max(tail, key=lambda k: tail[k][0])][1].method if tail else None
+        best = _leader(tail).method if tail else None
         if best is not None and best != running:
             one, two = costs.draft_ratios(best, 1, (1, 2)).values()
             if two - one > self.settings.warm_max_draft_cost:
@@ -625,7 +629,7 @@ class AdaptiveController:
         for b in range(1, max_batch + 1):
             options: dict[str | None, tuple[float, Decision]] = \
                 self.table(b) if self.methods else {None: (1.0, AR)}
-            k = options[self._or_plain(options, max(options, key=lambda o: options[o][0]))][1].gamma \
+            k = options[self._or_plain(options, _leader(options).method)][1].gamma \
                 if options else self.settings.gamma
             if ranges and ranges[-1][2] == k:
                 ranges[-1][1] = b
@@ -635,7 +639,7 @@ class AdaptiveController:
 
 
 def _leader(options: Options) -> Decision:
-    """The fastest option's decision (no margin, no hysteresis)."""
+    """The fastest option's decision (no margin, no hysteresis); its `method` is the option's key (None: plain)."""
     return options[max(options, key=lambda k: options[k][0])][1]
 
 
