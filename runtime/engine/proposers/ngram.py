@@ -53,13 +53,18 @@ class NgramProposer(Proposer):
         self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(engine.max_batch_size)]
         self.indexed = [0] * engine.max_batch_size  # n-grams ending at positions < indexed[slot] are in the index
 
+    # Both run for every admitted and every retired sequence, drafted or not: a slot never drafted for (an adaptive
+    # policy that decodes plainly) has an empty index (`_lookup` leaves `indexed` > 0 wherever it indexed), so nothing
+    # to do.
     def reset_slot(self, slot: int) -> None:
-        self.index[slot] = {}
-        self.indexed[slot] = 0
+        if self.indexed[slot]:
+            self.index[slot] = {}
+            self.indexed[slot] = 0
 
     def move_slot(self, src: int, dst: int) -> None:
-        self.index[dst], self.indexed[dst] = self.index[src], self.indexed[src]
-        self.index[src], self.indexed[src] = {}, 0
+        if self.indexed[src] or self.indexed[dst]:
+            self.index[dst], self.indexed[dst] = self.index[src], self.indexed[src]
+            self.index[src], self.indexed[src] = {}, 0
 
     def _lookup(self, slot: int, tokens: list[int], gamma: int) -> list[int]:
         index = self.index[slot]

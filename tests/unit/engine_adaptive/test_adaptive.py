@@ -748,6 +748,56 @@ def test_plain_decoding_carries_through_settled_tables_of_a_shrinking_batch() ->
     assert ctrl.stats()["decisions_by_batch_size"] == {b: {"ar": 2} for b in sorted(sizes)}
 
 
+def test_plain_decoding_on_a_settled_table_keeps_one_record_per_visit_and_every_surprise() -> None:
+    # Folding every plain step's record was most of what the policy cost tiny-local's rollouts: on a settled table
+    # only a visit's first step is kept, unless a step costs `SURPRISE` times its prediction (then it is kept, and
+    # the hold ends: the next step folds it and holds anew, keeping its own record).
+    machine, ctrl = hopeless_ngram()
+    visits = [16, 8, 4, 2, 1]  # the calibrated sizes: no step is a surprise but the one made so
+    learned: list[int] = []
+    learn = ctrl.estimates.learn
+
+    def counted(rec: StepRecord, step: int) -> float:
+        learned.append(rec.batch_size)
+        return learn(rec, step)
+
+    ctrl.estimates.learn = counted  # type: ignore[method-assign,assignment]
+
+    def rollout(slow_at: int | None = None) -> list[int]:
+        learned.clear()
+        for b in visits:
+            for i in range(3):
+                d = ctrl.decide(b)
+                rec = machine.step(d, b)
+                ctrl.observe(d, record(AR, b, 0, 3 * rec.seconds) if (b, i) == (slow_at, 1) else rec)
+        ctrl._fold()
+        return learned
+
+    rollout()
+    assert all(t.settled for t in ctrl._tables.values())
+    assert rollout() == visits
+    assert ctrl.stats()["decisions_by_batch_size"][4] == {"ar": 6}  # every step is still counted
+    assert rollout(slow_at=4) == [16, 8, 4, 4, 4, 2, 1]
+
+
+def test_a_settled_table_settled_again_stands_twice_as_long() -> None:
+    # Every settled table of a rollout's batch sizes came due together every `settled_refresh` steps, and the wave
+    # of recomputations (each folding what was kept) was a third of the policy's time on tiny-local.
+    machine = Machine({"ngram": 0.1}, {"ngram": 0.1}, c=0.3, seed=3)
+    ctrl = AdaptiveController(["ngram"], cost_model=calibrated(machine, ["ngram"]), alpha_priors={"ngram": 0.1},
+                              settings=AdaptiveSettings(probe=0.0, settled_refresh=8, settled_stable_refresh=32))
+    periods: list[tuple[int, int]] = []
+    for _ in range(200):
+        d = ctrl.decide(4)
+        ctrl.observe(d, machine.step(d, 4))
+        table = ctrl._tables[4]
+        if not periods or table.step != periods[-1][0]:
+            periods.append((table.step, table.period))
+    assert [p for _, p in periods][:4] == [8, 16, 32, 32] and ctrl._tables[4].settled
+    with pytest.raises(ValueError, match="settled_stable_refresh"):
+        AdaptiveSettings(settled_refresh=64, settled_stable_refresh=32)
+
+
 def test_a_shrinking_batch_leaves_settled_tables_for_speculation_where_it_pays() -> None:
     # Plain decoding carried through the settled tables of large batches stops where a table is not settled: the
     # tail speculates as a controller that folds and recomputes at every step decides. (The tail's speculative
