@@ -27,9 +27,11 @@ The arguments are parsed in :mod:`specrl.runtime.cli`; :func:`main` receives the
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import random
+import socket
 import sys
 
 import kopf
@@ -84,10 +86,62 @@ def credentials_problem() -> str | None:
                 doc = yaml.safe_load(f) or {}
         except OSError as exc:
             return f"cannot read kubeconfig {path}: {exc.strerror or exc}"
+        except UnicodeDecodeError as exc:
+            return f"kubeconfig {path} is not UTF-8 text ({exc.reason} at byte {exc.start})"
         except yaml.YAMLError as exc:
             return f"kubeconfig {path} is not valid YAML: {str(exc).splitlines()[0]}"
         if not isinstance(doc, dict) or not doc.get("clusters"):
             return f"kubeconfig {path} defines no clusters"
+    return None
+
+
+def api_server() -> str | None:
+    """The API server the operator talks to (for messages): in the cluster, the service's; else the kubeconfig's
+    current context's cluster."""
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if os.path.exists(SERVICE_ACCOUNT_TOKEN) and host:
+        return f"https://{host}:{port or 443}"
+    path = next((p for p in os.environ.get("KUBECONFIG", "").split(os.pathsep) if p), "~/.kube/config")
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+        context = next(c["context"] for c in doc["contexts"] if c["name"] == doc["current-context"])
+        return str(next(c["cluster"]["server"] for c in doc["clusters"] if c["name"] == context["cluster"]))
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError, StopIteration):
+        return None  # only a message loses its detail: kopf itself reported what it could not read
+
+
+def unreachable_line(exc: OSError, server: str | None) -> str:
+    """The last line of an operator that gave up on the API server after kopf's retries (kopf has logged each)."""
+    host, port = getattr(exc, "host", None), getattr(exc, "port", None)
+    where = server or (f"{host}:{port}" if host else "(unknown address)")
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return f"Kubernetes API server {where} unreachable: {reason}"
+
+
+class _NoConnectionTracebacks(logging.Filter):
+    """Without --verbose, a connection failure is logged as its one message line: kopf logs a traceback when it
+    gives up, and asyncio another per orphaned task, for what the line already says (`Connect call failed`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], OSError):
+            if record.name == "asyncio":
+                return False  # "Task exception was never retrieved": a copy of what kopf logged
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def port_problem(port: int) -> str | None:
+    """Why this process cannot listen on `port` (another process does), checked before kopf starts: kopf would
+    report it as a traceback only once it runs."""
+    if not port:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does: TIME_WAIT is no conflict
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
     return None
 
 
@@ -99,6 +153,12 @@ def main(args: argparse.Namespace) -> int:
     )
     if not args.verbose:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(_NoConnectionTracebacks())
+    if args.metrics_port and args.metrics_port == args.health_port:
+        print(f"specrl operator: --health-port: must differ from --metrics-port (both {args.health_port})",
+              file=sys.stderr)
+        return 2
     try:
         args.coordinator_url_template.format(name="job", namespace="ns")
     except (KeyError, IndexError, ValueError) as exc:
@@ -120,19 +180,27 @@ def main(args: argparse.Namespace) -> int:
                             drain_poll=min(1.0, args.poll_interval))
     registry = kopf.OperatorRegistry()
     handlers.register(registry, config)
+    if problem := port_problem(args.health_port):
+        print(f"specrl operator: --health-port {args.health_port}: {problem}", file=sys.stderr)
+        return 1
     try:
         m.serve(args.metrics_port)
     except OSError as exc:
         print(f"specrl operator: --metrics-port {args.metrics_port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     namespaces = list(args.namespaces or [])
-    kopf.run(
-        registry=registry,
-        settings=settings(args),
-        standalone=args.peering is None,
-        peering_name=args.peering,
-        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-    )
+    try:
+        kopf.run(
+            registry=registry,
+            settings=settings(args),
+            standalone=args.peering is None,
+            peering_name=args.peering,
+            liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None,
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+        )
+    except OSError as exc:  # aiohttp's connection errors, timeouts: kopf has retried and logged each attempt
+        gc.collect()  # orphaned kopf tasks log their copy of the error now, not after the line below
+        print(f"specrl operator: {unreachable_line(exc, api_server())}", file=sys.stderr)
+        return 1
     return 0

@@ -34,6 +34,7 @@ from pydantic.alias_generators import to_camel
 from .api_base import (  # noqa: F401 - re-exported: api.QUANTITY, api.MAX_REF, ... are public
     DNS1123_LABEL,
     ENV_NAME,
+    LABEL_VALUE,
     MAX_ITEMS,
     MAX_PATH,
     MAX_REF,
@@ -77,6 +78,11 @@ IMPORT_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-
 # Upper bounds on numbers, so that a typo (an extra zero or three) fails validation instead of running for a year:
 # a million RL steps, the largest vocabularies (~256k) with room, a day of waiting.
 MAX_STEPS, MAX_VOCAB, MAX_SECONDS = 1_000_000, 1_048_576, 86_400
+
+
+# The whitespace rule below as a CRD pattern (schema only: `specrl validate` keeps its own message); RE2's \s is
+# ASCII whitespace, so other Unicode spaces are left to `specrl validate`.
+MODEL_NAME_CRD = r"^\S+$"
 
 
 def _model_name_problems(name: str, field: str) -> list[tuple[str, str]]:
@@ -141,7 +147,8 @@ class ModelSpec(_Strict):
          f"unknown builtin model; expected one of {', '.join(BUILTIN_MODELS)}", ".name"),
     ))
 
-    name: str = Field(default="builtin:tiny", min_length=1, max_length=MAX_REF, description=(
+    name: str = Field(default="builtin:tiny", min_length=1, max_length=MAX_REF,
+                      json_schema_extra={"pattern": MODEL_NAME_CRD}, description=(
         "Hugging Face model id (e.g. Qwen/Qwen3-8B), a local path in the image, or a model the project builds "
         f"itself: {', '.join(BUILTIN_MODELS)}."))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto", description=(
@@ -338,7 +345,8 @@ class SpeculativeSpec(_Strict):
             "policy; quantized_self: a weight-quantized copy of the policy (4-bit where the CPU has the int4 "
             "kernel, else int8); eagle: a feature-level head (fresh when no draftModel); eagle3, mtp: "
             "rolloutEngine vllm only."))
-    draft_model: str | None = Field(default=None, min_length=1, max_length=MAX_REF, description=(
+    draft_model: str | None = Field(default=None, min_length=1, max_length=MAX_REF,
+                                    json_schema_extra={"pattern": MODEL_NAME_CRD}, description=(
         "Drafter weights (HF id, local path or builtin:*-draft); required for draft_model and eagle3, optional for eagle."))
     num_speculative_tokens: int = Field(default=4, ge=1, le=64, description=(
         "Draft tokens per verification step (the starting value when adaptive.draftLength is on)."))
@@ -790,6 +798,23 @@ def format_path(parts: Iterable[Any]) -> str:
     return out
 
 
+SHOWN_CHARS = 80
+
+
+def shown(value: Any) -> str:
+    """A bad value as an error message echoes it: the type and length of a list or mapping, else its repr cut to
+    SHOWN_CHARS. The input can be huge (a dozen lines of YAML anchors expand to megabytes) and one line per problem
+    must stay one readable line."""
+    if isinstance(value, (list, tuple, dict)):
+        kind, unit = ("mapping", "key") if isinstance(value, dict) else ("list", "item")
+        return f"a {kind} of {len(value)} {unit}{'' if len(value) == 1 else 's'}"
+    try:
+        text = repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits() has no repr
+        return f"a {type(value).__name__} too long to show"
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
 def _message(err: Any) -> str:
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
@@ -800,14 +825,18 @@ def _message(err: Any) -> str:
         pattern = str((err.get("ctx") or {}).get("pattern"))
         hints: dict[str, str] = {QUANTITY.pattern: "must be a Kubernetes quantity such as 4, 500m or 16Gi",
                                  IMPORT_REF.pattern: "must have the form package.module:function",
-                                 ENV_NAME.pattern: "must be a valid environment variable name"}
-        return hints.get(pattern, msg) + f" (got {err.get('input')!r})"
+                                 ENV_NAME.pattern: "must be a valid environment variable name",
+                                 LABEL_VALUE.pattern: ("must be a valid label value: empty, or alphanumerics, '-', "
+                                                       "'_' or '.', starting and ending with an alphanumeric")}
+        return hints.get(pattern, msg) + f" (got {shown(err.get('input'))})"
     if kind == "literal_error":
         return f"must be one of {msg.split('Input should be ', 1)[-1]}" if "Input should be" in msg else msg
     if msg.startswith("Input should be"):
         msg = "must be" + msg[len("Input should be"):]
     if kind.endswith("_type") or kind in ("int_from_float", "bool_parsing", "int_parsing", "float_parsing"):
-        msg += f" (got {type(err.get('input')).__name__} {err.get('input')!r})"
+        value = err.get("input")
+        msg += f" (got {shown(value)})" if isinstance(value, (list, tuple, dict)) else \
+            f" (got {type(value).__name__} {shown(value)})"
     return msg
 
 
@@ -838,9 +867,9 @@ def parse_job(doc: Any, *, source: str = "<input>") -> RLJob:
     name = raw_name if isinstance(raw_name, str) else ""
     head = []
     if doc.get("apiVersion") != API_VERSION:
-        head.append(Problem(source, name, "apiVersion", f"must be {API_VERSION!r} (got {doc.get('apiVersion')!r})"))
+        head.append(Problem(source, name, "apiVersion", f"must be {API_VERSION!r} (got {shown(doc.get('apiVersion'))})"))
     if doc.get("kind") != KIND:
-        head.append(Problem(source, name, "kind", f"must be {KIND!r} (got {doc.get('kind')!r})"))
+        head.append(Problem(source, name, "kind", f"must be {KIND!r} (got {shown(doc.get('kind'))})"))
     if head:
         # A different kind's fields would all look wrong; report only what identifies the document.
         raise JobValidationError(head)
@@ -850,18 +879,48 @@ def parse_job(doc: Any, *, source: str = "<input>") -> RLJob:
         raise JobValidationError(problems_from(exc, source=source, name=name)) from None
 
 
+# Far deeper than any RLJob (a pod template is about a dozen levels), far shallower than the recursion limit.
+MAX_YAML_DEPTH = 100
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads `1e-5` as a float, as YAML 1.2 (and kubectl) do, and refuses duplicate keys
-    (the API server's strict decoding does too; PyYAML would silently keep the last one)."""
+    (the API server's strict decoding does too; PyYAML would silently keep the last one). Nesting is capped at
+    MAX_YAML_DEPTH: composing recurses, and `[[[[...` a few thousand deep would otherwise end in RecursionError."""
+
+    _depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_YAML_DEPTH} levels deep",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
+        seen: set[str] = set()
         for key_node, _value in node.value:
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, str) and key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
+            # Only string keys are tracked: a list or mapping as a key is unhashable, and SafeLoader's own
+            # construct_mapping below rejects it with a line number.
+            if isinstance(key, str):
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than sys.get_int_max_str_digits() allows
+            raise yaml.constructor.ConstructorError(None, None, "integer too large",
+                                                    node.start_mark) from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 
 _Loader.add_implicit_resolver(
@@ -878,6 +937,14 @@ _Loader.add_implicit_resolver(
 def load_yaml_documents(text: str) -> list[Any]:
     """Every non-empty document of a YAML stream (YAML 1.2 floats); raises yaml.YAMLError."""
     return [d for d in yaml.load_all(text, Loader=_Loader) if d is not None]
+
+
+def yaml_error_message(exc: yaml.YAMLError) -> str:
+    """`invalid YAML at line 4, column 3: found unhashable key`: one line (str(exc) quotes the source over several)."""
+    where = getattr(exc, "problem_mark", None)
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"invalid YAML{at}: {what}"
 
 
 @dataclass
@@ -920,10 +987,7 @@ def check_text(text: str, source: str) -> FileCheck:
     try:
         docs = _expand_lists(load_yaml_documents(text))
     except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        return FileCheck([], [Problem(source, "", "", f"invalid YAML{at}: {what}")], [])
+        return FileCheck([], [Problem(source, "", "", yaml_error_message(exc))], [])
     skipped = [_describe(d) for d in docs if _is_foreign(d)]
     ours = [(i, d) for i, d in enumerate(docs) if not _is_foreign(d)]
     if not ours:

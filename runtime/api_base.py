@@ -14,9 +14,21 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i?|[mkMGTPE]|n|u)?$")
+# Kubernetes' own quantity pattern (the one controller-gen puts on resource.Quantity fields): the CRD carries it
+# too, so "lots" or "5K" (decimal kilo is k) fail on `kubectl apply`, not when the operator creates the pods.
+QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# Label keys (and annotation keys, resource names) are qualified names: [DNS subdomain prefix '/'] name, the name
+# at most 63 characters; label values at most 63 characters of the same set, or empty (apimachinery's rules).
+MAX_LABEL = 63
+LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+# The same for CEL rules on map keys (which the schema cannot constrain): RE2, with the name's length in the
+# pattern; `[.]` since CEL strings have no `\.` escape. The prefix's 253-character bound is left to pydantic.
+QUALIFIED_NAME_CEL = ("^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                      "([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]$")
 # Bounds on strings, lists and maps: the API server refuses CRDs whose CEL rules have an unbounded estimated cost.
 MAX_REF, MAX_PATH, MAX_VALUE, MAX_ITEMS = 256, 4096, 32768, 64
 
@@ -59,8 +71,13 @@ def _quantity(value: Any) -> Any:
     return value
 
 
+# The pattern is repeated for the schema: pydantic leaves a constraint behind a BeforeValidator out of it.
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity),
-    Field(pattern=QUANTITY.pattern, json_schema_extra={"x-kubernetes-int-or-string": True}),
+    Field(pattern=QUANTITY.pattern, json_schema_extra={"x-kubernetes-int-or-string": True,
+                                                       "pattern": QUANTITY.pattern}),
 ]
+
+
+LabelValue = Annotated[str, Field(max_length=MAX_LABEL, pattern=LABEL_VALUE.pattern)]

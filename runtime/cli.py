@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import sys
 from collections.abc import Callable
 
@@ -66,6 +67,33 @@ def positive_int(text: str) -> int:
     return value
 
 
+def job_steps(text: str) -> int:
+    """argparse type of `run --steps`: an override of spec.algorithm.steps, validated by that very field, so the
+    command line cannot run a job the spec itself would reject."""
+    value = positive_int(text)
+    from pydantic import ValidationError
+
+    from .api import AlgorithmSpec
+
+    try:
+        AlgorithmSpec.model_validate({"steps": value})
+    except ValidationError as exc:
+        msg = exc.errors(include_url=False)[0]["msg"].replace("Input should be", "must be")
+        raise argparse.ArgumentTypeError(f"{msg} (the bound of spec.algorithm.steps), got {value}") from None
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (nan, inf, 0 and negatives are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     """argparse type: a TCP port, 0 meaning off."""
     try:
@@ -97,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "Needs the runtime extra: pip install 'specrl[runtime]'.")
     p.add_argument("job", metavar="JOB.yaml", help="RLJob YAML file holding exactly one RLJob")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/<job name>)")
-    p.add_argument("--steps", type=positive_int, default=None, metavar="N", help="override spec.algorithm.steps")
+    p.add_argument("--steps", type=job_steps, default=None, metavar="N", help="override spec.algorithm.steps")
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
 
     p = _command(sub, "validate", "validate RLJob YAML offline, the way the API server would",
@@ -136,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: standalone, one replica)")
     p.add_argument("--default-job-image", default=None, metavar="IMAGE",
                    help="image of RLJob pods whose spec.resources.image is empty (e.g. an air-gapped mirror)")
-    p.add_argument("--poll-interval", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--poll-interval", type=positive_float, default=10.0, metavar="SECONDS",
                    help="seconds between coordinator polls")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
 

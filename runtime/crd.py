@@ -5,7 +5,7 @@
 
 The pydantic JSON schema is turned into a Kubernetes *structural* schema: `$ref`s inlined, `Optional[X]` as
 plain `X` (the API server prunes nulls), `const` as `enum`, JSON-Schema-2020 exclusive bounds as OpenAPI 3.0
-booleans, quantities as `x-kubernetes-int-or-string`, no `additionalProperties: false` (the server prunes or,
+booleans, quantities as `x-kubernetes-int-or-string` (with their pattern), no `additionalProperties: false` (the server prunes or,
 with strict field validation, rejects unknown fields), defaults for every defaulted field outside `status`,
 and the models' CEL rules as `x-kubernetes-validations`. `status` keeps unknown fields because kopf stores
 its own state there.
@@ -128,10 +128,13 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], models: dict[str, ty
     node, model = _inline(node, defs)
     out: dict[str, Any]
     if node.get("x-kubernetes-int-or-string"):
+        # The pattern applies to the string form only (as on controller-gen's resource.Quantity): without it
+        # `memory: lots` would pass the API server and fail only when the operator creates the pods.
         out = {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]}
-        if "description" in node:
-            out["description"] = node["description"]
-        return out
+        for key in ("description", "pattern"):
+            if key in node:
+                out[key] = node[key]
+        return _order(out)
     out = {}
     for key, value in node.items():
         if key in _DROP or key in ("properties", "items", "required", "default", "const",

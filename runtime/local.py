@@ -53,17 +53,31 @@ def load_settings(path: str, steps: int | None = None) -> tuple[Any, RunSettings
 
     p = Path(path)
     if not p.is_file():
-        raise JobError(f"{path}: no such file")
+        raise JobError(f"{path}: {'is a directory' if p.is_dir() else 'no such file'}")
     try:
         job = load_job(p)
     except JobValidationError as exc:
         raise JobError(str(exc)) from None
     settings = RunSettings.from_job(job)
     if steps is not None:
-        if steps < 1:
-            raise JobError(f"--steps: must be >= 1, got {steps}")
+        from .cli import job_steps
+
+        try:
+            steps = job_steps(str(steps))
+        except argparse.ArgumentTypeError as exc:
+            raise JobError(f"--steps: {exc}") from None
         settings = settings.replace(steps=steps)
     return job, check_settings(settings, source=str(path), name=job.metadata.name)
+
+
+def out_dir_problem(out_dir: Path) -> str | None:
+    """Why the output folder cannot be used, if it cannot: it, or a folder above it, is an existing file."""
+    if out_dir.exists() and not out_dir.is_dir():
+        return f"{str(out_dir)!r} exists and is not a directory"
+    for parent in out_dir.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{str(parent)!r} is not a directory"
+    return None
 
 
 def check_settings(settings: RunSettings, source: str = "<job>", name: str = "") -> RunSettings:
@@ -71,10 +85,17 @@ def check_settings(settings: RunSettings, source: str = "<job>", name: str = "")
     import torch
 
     from .rl.reward import RewardLoadError, load_reward
+    from .rl.task import DatasetError, load_jsonl
 
     prefix = f"{source}: {name}: " if name else f"{source}: "
-    if not settings.dataset.startswith("builtin:") and not Path(settings.dataset).is_file():
-        raise JobError(f"{prefix}spec.dataset.path: dataset file {settings.dataset!r} does not exist")
+    if not settings.dataset.startswith("builtin:"):
+        # Loaded here, not only in the rollout workers: a file without one usable line would otherwise kill an
+        # actor after Ray has started, as a page of ActorDiedError.
+        try:
+            load_jsonl(settings.dataset, prompt_field=settings.prompt_field, answer_field=settings.answer_field)
+        except (DatasetError, OSError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise JobError(f"{prefix}spec.dataset.path: {reason}") from None
     try:
         load_reward(settings.reward)
     except RewardLoadError as exc:
@@ -112,12 +133,27 @@ def local_threads(settings: RunSettings, cores: int) -> int:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    out = getattr(args, "out", None)
+    option = "--out" if out else "output folder"
+    # An explicit --out is checked before the job (whose checks load models); the default needs the job's name.
+    if out and (problem := out_dir_problem(Path(out))):
+        print(f"specrl run: {option}: {problem}", file=sys.stderr)
+        return 1
     try:
         _job, settings = load_settings(args.job, getattr(args, "steps", None))
     except JobError as exc:
         print(f"specrl run: {exc}", file=sys.stderr)
         return 1
-    out_dir = Path(args.out) if getattr(args, "out", None) else Path("runs") / settings.job
+    out_dir = Path(out) if out else Path("runs") / settings.job
+    if problem := out_dir_problem(out_dir):
+        print(f"specrl run: {option}: {problem}", file=sys.stderr)
+        return 1
+    try:
+        # Created only now that every check has passed: a failed check leaves nothing behind.
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"specrl run: {option}: cannot create {str(out_dir)!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     try:
         summary = run_job(settings, out_dir, progress=not getattr(args, "no_progress", False))
     except JobError as exc:

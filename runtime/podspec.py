@@ -28,11 +28,16 @@ from pydantic import ConfigDict, Field, model_validator
 
 from .api_base import (
     DNS1123_LABEL,
+    DNS1123_SUBDOMAIN,
     ENV_NAME,
+    LABEL_NAME,
     MAX_ITEMS,
+    MAX_LABEL,
     MAX_PATH,
     MAX_REF,
     MAX_VALUE,
+    QUALIFIED_NAME_CEL,
+    LabelValue,
     Quantity,
     _cel,
     _raise,
@@ -45,6 +50,9 @@ RESERVED_VOLUMES = ("config", "cache", "dshm")
 RESERVED_MOUNT_PATHS = ("/etc/specrl", "/dev/shm")
 ROLES = ("coordinator", "trainer", "rollout")
 MAX_NAME = 253  # object names (DNS-1123 subdomains)
+# Container resource names without a domain prefix (plus hugepages-<size>); anything else is an extended resource.
+STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # the API server's limit on all of an object's annotations together
 
 _Name = Field(min_length=1, max_length=MAX_NAME, description="Object name.")
 
@@ -57,6 +65,52 @@ def _one_of(fields: tuple[str, ...], what: str) -> tuple[str, str, None]:
 
 def _count_set(model: Any, names: tuple[str, ...]) -> int:
     return sum(getattr(model, n) is not None for n in names)
+
+
+def qualified_name_problem(key: str) -> str | None:
+    """Why `key` is not a Kubernetes qualified name (a label or annotation key), as the API server says it."""
+    parts = key.split("/")
+    if len(parts) > 2:
+        return "must be a name with an optional DNS subdomain prefix and '/', e.g. example.com/my-name"
+    if len(parts) == 2 and (not parts[0] or len(parts[0]) > MAX_NAME or not DNS1123_SUBDOMAIN.fullmatch(parts[0])):
+        return (f"prefix {parts[0]!r} must be a DNS subdomain (lower-case alphanumerics, '-' and '.', at most "
+                f"{MAX_NAME} characters)")
+    name = parts[-1]
+    if not name:
+        return "name part must be non-empty"
+    if len(name) > MAX_LABEL:
+        return f"name part must be at most {MAX_LABEL} characters (has {len(name)})"
+    if not LABEL_NAME.fullmatch(name):
+        return ("name part must consist of alphanumerics, '-', '_' or '.', starting and ending with an "
+                "alphanumeric")
+    return None
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why `name` is not a container resource name the API server accepts."""
+    problem = qualified_name_problem(name)
+    if problem is None and "/" not in name and name not in STANDARD_RESOURCES and not name.startswith("hugepages-"):
+        problem = (f"not a standard resource ({', '.join(STANDARD_RESOURCES)}, hugepages-<size>); extended "
+                   "resources need a domain prefix, e.g. example.com/fpga")
+    return problem
+
+
+def _keys_cel(field: str, what: str, *, any_case: bool = False) -> tuple[str, str, str]:
+    """A CEL rule: every key of the map `field` is a qualified name (`any_case`: once lower-cased)."""
+    pattern = "(?i)" + QUALIFIED_NAME_CEL if any_case else QUALIFIED_NAME_CEL
+    return (f"!has(self.{field}) || self.{field}.all(k, k.matches('{pattern}'))",
+            (f"{what} must be qualified names: [DNS subdomain prefix '/'] then at most {MAX_LABEL} alphanumerics, "
+             "'-', '_' or '.', starting and ending with an alphanumeric"), f".{field}")
+
+
+def _overlaps_cel(var: str, reserved: tuple[str, ...]) -> str:
+    """CEL twin of the mountPath overlap check of `PodTemplate`: `var` (trailing slashes ignored) is a reserved
+    path, lies under one, or is an ancestor of one."""
+    terms = [t for p in reserved for t in (f"{var} == '{p}'", f"{var}.startsWith('{p}/')")]
+    ancestors = sorted({p.rsplit("/", i)[0] for p in reserved for i in range(1, p.count("/"))})
+    if ancestors:
+        terms.append(f"{var}.matches('^({'|'.join(ancestors)})/*$')")
+    return " || ".join(terms)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -395,11 +449,27 @@ class VolumeMount(_Strict):
 # The template
 
 
+def _resource_names_cel(field: str) -> tuple[str, str, str]:
+    standard = ", ".join(f"'{r}'" for r in STANDARD_RESOURCES)
+    return ((f"!has(self.{field}) || self.{field}.all(k, k.matches('{QUALIFIED_NAME_CEL}') && "
+             f"(k.contains('/') || k in [{standard}] || k.startsWith('hugepages-')))"),
+            (f"resource names are {', '.join(STANDARD_RESOURCES)}, hugepages-<size> or a domain-prefixed extended "
+             "resource such as example.com/fpga"), f".{field}")
+
+
 class ResourceRequirements(_Strict):
     """Container resource requests and limits (quantities such as "4", "16Gi", "500m")."""
 
+    model_config = ConfigDict(json_schema_extra=_cel(_resource_names_cel("requests"), _resource_names_cel("limits")))
+
     requests: dict[str, Quantity] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Requests per resource name.")
     limits: dict[str, Quantity] = Field(default_factory=dict, max_length=MAX_ITEMS, description="Limits per resource name.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ResourceRequirements:
+        _raise([(f"{kind}.{name}", problem) for kind in ("requests", "limits") for name in getattr(self, kind)
+                if (problem := resource_name_problem(name)) is not None])
+        return self
 
 
 # Fields a role override replaces whole vs. merges by key (see the module docstring).
@@ -424,11 +494,15 @@ class PodTemplate(_Strict):
          "hostPath volumes are refused unless allowHostPath is true", ".volumes"),
         ("!has(self.volumes) || self.volumes.all(v, !(v.name in ['config', 'cache', 'dshm']))",
          "volume names config, cache and dshm are the operator's", ".volumes"),
-        ("!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in ['/etc/specrl', '/dev/shm']))",
-         "mountPaths /etc/specrl and /dev/shm are the operator's", ".volumeMounts"),
+        (f"!has(self.volumeMounts) || self.volumeMounts.all(m, !({_overlaps_cel('m.mountPath', RESERVED_MOUNT_PATHS)}))",
+         f"mountPaths must not overlap the operator's mounts ({', '.join(RESERVED_MOUNT_PATHS)})", ".volumeMounts"),
+        _keys_cel("nodeSelector", "nodeSelector keys"),
+        _keys_cel("labels", "label keys"),
+        _keys_cel("annotations", "annotation keys", any_case=True),
     ))
 
-    node_selector: dict[str, str] | None = Field(default=None, max_length=MAX_ITEMS, description="Node selector.")
+    node_selector: dict[str, LabelValue] | None = Field(default=None, max_length=MAX_ITEMS, description=(
+        "Node selector (node label keys and values)."))
     tolerations: list[Toleration] | None = Field(default=None, max_length=MAX_ITEMS, description="Tolerations.")
     affinity: Affinity | None = Field(default=None, description="Node and pod (anti-)affinity.")
     topology_spread_constraints: list[TopologySpreadConstraint] | None = Field(
@@ -453,8 +527,10 @@ class PodTemplate(_Strict):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["mountPath"]})
     image_pull_secrets: list[LocalObjectReference] | None = Field(default=None, max_length=MAX_ITEMS, description=(
         "Secrets for pulling the image from a private registry."))
-    labels: dict[str, str] | None = Field(default=None, description="Extra pod labels.")
-    annotations: dict[str, str] | None = Field(default=None, description="Extra pod annotations.")
+    labels: dict[str, LabelValue] | None = Field(default=None, max_length=MAX_ITEMS, description=(
+        "Extra pod labels (Kubernetes label keys; values at most 63 characters)."))
+    annotations: dict[str, str] | None = Field(default=None, max_length=MAX_ITEMS, description=(
+        "Extra pod annotations (qualified-name keys; all of them at most 256 KiB)."))
     service_account_name: str | None = Field(default=None, max_length=MAX_NAME, description="Service account of the pods.")
     priority_class_name: str | None = Field(default=None, max_length=MAX_NAME, description="Priority class of the pods.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(default=None, description=(
@@ -487,6 +563,14 @@ class PodTemplate(_Strict):
                                  "true (they break the restricted Pod Security Standard); use a "
                                  "persistentVolumeClaim")))
             names.add(vol.name)
+        for field, keys in (("nodeSelector", self.node_selector), ("labels", self.labels),
+                            ("annotations", self.annotations)):
+            # The API server checks annotation keys lower-cased (Example.com/x is fine there), label keys as they are.
+            problems += [(f"{field}.{key}", f"invalid key: {problem}") for key in keys or {}
+                         if (problem := qualified_name_problem(key.lower() if field == "annotations" else key))]
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in (self.annotations or {}).items())
+        if size > MAX_ANNOTATIONS_BYTES:
+            problems.append(("annotations", f"{size} bytes in all; the API server allows {MAX_ANNOTATIONS_BYTES}"))
         paths: set[str] = set()
         for i, mount in enumerate(self.volume_mounts or []):
             path = mount.mount_path.rstrip("/") or "/"

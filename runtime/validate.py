@@ -9,6 +9,7 @@ Exit 0 when every RLJob is valid, 1 when there is any problem. Never a traceback
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,14 @@ def _sources(arg: str) -> tuple[list[tuple[str, Path | None]], bool]:
     return [(arg, path)], False
 
 
+def _read(path: Path | None) -> str:
+    if path is not None:
+        return path.read_text(encoding="utf-8")
+    if sys.stdin is None:  # started with standard input closed (`specrl validate - <&-`)
+        raise OSError(errno.EBADF, "standard input is closed")
+    return sys.stdin.read()
+
+
 def validate(args: list[str]) -> Report:
     report = Report()
     for arg in args:
@@ -47,7 +56,7 @@ def validate(args: list[str]) -> Report:
         rljob_files = 0
         for name, path in sources:
             try:
-                text = sys.stdin.read() if path is None else path.read_text(encoding="utf-8")
+                text = _read(path)
             except (OSError, UnicodeDecodeError) as exc:
                 report.problems.append(read_problem(name, exc))
                 continue
@@ -63,6 +72,9 @@ def validate(args: list[str]) -> Report:
 
 
 def main(args: argparse.Namespace) -> int:
+    if list(args.files).count("-") > 1:  # the second read would find standard input empty
+        print("specrl validate: - (standard input) can be given only once", file=sys.stderr)
+        return 2
     report = validate(list(args.files))
     if getattr(args, "output", "text") == "json":
         print(json.dumps(report.to_json(), indent=2))

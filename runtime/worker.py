@@ -49,6 +49,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -58,9 +59,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 if TYPE_CHECKING:
     from .rl.settings import RunSettings
@@ -85,11 +88,65 @@ def backoff_delays(total_s: float, first: float = 0.5, factor: float = 2.0, cap:
     return out
 
 
-def _split_addr(addr: str, what: str) -> tuple[str, int]:
+# A DNS name or an IPv4 address, or an IPv6 address in brackets: what can stand before `:port` in a URL.
+HOST = re.compile(r"[A-Za-z0-9._-]+|\[[0-9A-Fa-f:.]+\]")
+
+
+def _addr_problem(addr: str) -> str | None:
+    """Why `addr` is not host:port, if it is not: checked up front, since a bad one would otherwise be a URL
+    error traceback, or be retried as `connection refused` for the whole connect timeout."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise WorkerError(f"{what}: expected host:port, got {addr!r}")
+    if not sep or not HOST.fullmatch(host) or not port.isdigit():
+        return f"expected host:port, got {addr!r}"
+    if not 1 <= int(port) <= 65535:
+        return f"port must be in 1..65535, got {addr!r}"
+    return None
+
+
+def _split_addr(addr: str, what: str) -> tuple[str, int]:
+    if problem := _addr_problem(addr):
+        raise WorkerError(f"{what}: {problem}")
+    host, _sep, port = addr.rpartition(":")
     return host, int(port)
+
+
+# WorkerEnv field -> the environment variable it is read from
+ENV_VARS = {"connect_timeout": "SPECRL_CONNECT_TIMEOUT", "coordinator_addr": "SPECRL_COORDINATOR_ADDR",
+            "ray_address": "SPECRL_RAY_ADDRESS", "ray_head_port": "SPECRL_RAY_HEAD_PORT",
+            "http_port": "SPECRL_HTTP_PORT"}
+
+
+class WorkerEnv(BaseModel):
+    """The SPECRL_* settings of the table above that are numbers or addresses, validated before the pod starts
+    anything. An empty variable counts as unset (a Kubernetes env entry without a value)."""
+
+    model_config = ConfigDict(frozen=True, allow_inf_nan=False)
+
+    connect_timeout: float | None = Field(None, gt=0, le=86_400, description="None: the role's default")
+    coordinator_addr: str | None = None
+    ray_address: str | None = None
+    ray_head_port: int = Field(HEAD_PORT, ge=1, le=65535)
+    http_port: int = Field(HTTP_PORT, ge=1, le=65535)
+
+    @field_validator("coordinator_addr", "ray_address")
+    @classmethod
+    def _host_port(cls, addr: str | None) -> str | None:
+        if addr is not None and (problem := _addr_problem(addr)):
+            raise ValueError(problem)
+        return addr
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> WorkerEnv:
+        values: dict[str, Any] = {field: env[var] for field, var in ENV_VARS.items() if env.get(var)}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            var = ENV_VARS[str(err["loc"][0])]
+            if err["type"] == "value_error":
+                raise WorkerError(f"{var}: {err['ctx']['error']}") from None
+            msg = err["msg"].replace("Input should be", "must be")
+            raise WorkerError(f"{var}: {msg}, got {env[var]!r}") from None
 
 
 def wait_for_coordinator(coordinator_addr: str | None, ray_addr: str, timeout_s: float) -> None:
@@ -176,26 +233,28 @@ def main(args: argparse.Namespace) -> int:
     # a pod that gets SIGTERM stops now instead of running into the kubelet's SIGKILL.
     os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     try:
+        env = WorkerEnv.from_env(os.environ)
         if role == "coordinator":
-            return run_coordinator(args.config)
-        return run_member(role, args.config)
+            return run_coordinator(args.config, env)
+        return run_member(role, args.config, env)
     except WorkerError as exc:
         print(f"specrl worker {role}: {exc}", file=sys.stderr)
         return 1
 
 
-def run_member(role: str, config: str) -> int:
+def run_member(role: str, config: str, env: WorkerEnv | None = None) -> int:
     """Join the coordinator's Ray cluster as a node offering this pod's resources; block until stopped."""
+    env = env or WorkerEnv.from_env(os.environ)
     name = os.environ.get("SPECRL_WORKER")
     if not name:
         raise WorkerError("SPECRL_WORKER (this pod's name) is not set")
-    ray_addr = os.environ.get("SPECRL_RAY_ADDRESS")
+    ray_addr = env.ray_address
     if not ray_addr:
         raise WorkerError("SPECRL_RAY_ADDRESS (host:6379 of the coordinator) is not set")
     settings = _load(config)
     _preflight(settings, config)
-    timeout = float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "300"))
-    wait_for_coordinator(os.environ.get("SPECRL_COORDINATOR_ADDR"), ray_addr, timeout)
+    timeout = env.connect_timeout if env.connect_timeout is not None else 300.0
+    wait_for_coordinator(env.coordinator_addr, ray_addr, timeout)
     from .coordinator import pod_resource, role_resource
 
     resources = {role_resource(role): 1, pod_resource(name): 1}
@@ -248,12 +307,13 @@ def _stop_head(head: subprocess.Popen, timeout_s: float = 60.0) -> None:
             head.wait()
 
 
-def run_coordinator(config: str) -> int:
+def run_coordinator(config: str, env: WorkerEnv | None = None) -> int:
     """Be the Ray head, wait for the initial workers, run the job, keep serving /status until terminated.
 
     Exit status: 0 after a complete job (the operator marks the job Complete), 1 when it failed or the workers
     never came, 143 when SIGTERM interrupted it (a failure the operator retries from the last checkpoint).
     """
+    env = env or WorkerEnv.from_env(os.environ)
     settings = _load(config)
     stop = {"flag": False, "running": False}
 
@@ -263,10 +323,10 @@ def run_coordinator(config: str) -> int:
             raise _Terminated()
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    port = int(os.environ.get("SPECRL_RAY_HEAD_PORT", HEAD_PORT))
+    port = env.ray_head_port
     head = _start_head(port)
     try:
-        return _coordinate(settings, port, stop, on_sigterm)
+        return _coordinate(settings, env, stop, on_sigterm)
     finally:
         import ray
 
@@ -275,12 +335,12 @@ def run_coordinator(config: str) -> int:
         _stop_head(head)
 
 
-def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigterm: Callable[..., None]) -> int:
+def _coordinate(settings: RunSettings, env: WorkerEnv, stop: dict[str, bool], on_sigterm: Callable[..., None]) -> int:
     import ray
 
     from .coordinator import JobCoordinator, Placement, members_from_nodes
 
-    ray.init(address=f"127.0.0.1:{port}")
+    ray.init(address=f"127.0.0.1:{env.ray_head_port}")
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours must come back, or a complete job exits 15.
     signal.signal(signal.SIGTERM, on_sigterm)
     token = os.environ.get("SPECRL_COORDINATOR_TOKEN") or None
@@ -289,9 +349,9 @@ def _coordinate(settings: RunSettings, port: int, stop: dict[str, bool], on_sigt
     placement = Placement(cluster=True, gpus_per_pod=settings.gpus_per_pod)
     # a restarted pod resumes: start() asks trainer rank 0 for the newest checkpoint
     coord = JobCoordinator(settings, token=token or "", placement=placement, http_host="0.0.0.0",
-                           http_port=int(os.environ.get("SPECRL_HTTP_PORT", HTTP_PORT)))
+                           http_port=env.http_port)
     try:
-        deadline = time.monotonic() + float(os.environ.get("SPECRL_CONNECT_TIMEOUT", "600"))
+        deadline = time.monotonic() + (env.connect_timeout if env.connect_timeout is not None else 600.0)
         while True:
             members = members_from_nodes(ray.nodes(), settings.job)
             trainers = [m.name for m in members if m.role == "trainer"]

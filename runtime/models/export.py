@@ -14,11 +14,55 @@ import shutil
 import sys
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 POLICY_DIR = "policy"
 
 
 class ExportError(ValueError):
     pass
+
+
+class RunSummary(BaseModel):
+    """The part of a run's summary.json that export reads (`specrl run` writes many more keys)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    checkpoint_dir: str | None = Field(None, description="spec.checkpoint.path of the run")
+
+
+def summary_checkpoint_dir(summary: Path) -> str | None:
+    """checkpoint_dir of a run's summary.json; ExportError naming the file when it is not one."""
+    try:
+        data = json.loads(summary.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ExportError(f"{summary}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ExportError(f"{summary}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ExportError(f"{summary}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{summary}: expected a JSON object (a run's summary), got {type(data).__name__}")
+    try:
+        return RunSummary.model_validate(data).checkpoint_dir
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        raise ExportError(f"{summary}: checkpoint_dir: {err['msg'].replace('Input should be', 'must be')}") from None
+
+
+def out_problem(out: Path) -> str | None:
+    """Why OUT_DIR cannot be written, checked before any copy: it, or a folder above it, is a file, or it holds
+    something already (export never overwrites)."""
+    if out.exists():
+        if not out.is_dir():
+            return f"{out}: exists and is not a directory"
+        if any(out.iterdir()):
+            return f"{out}: output folder exists and is not empty"
+        return None
+    for parent in out.parents:
+        if parent.exists():
+            return None if parent.is_dir() else f"{out}: {parent} is not a directory"
+    return None
 
 
 def find_checkpoint(source: str | Path) -> Path:
@@ -33,7 +77,7 @@ def find_checkpoint(source: str | Path) -> Path:
     found = list_checkpoints(src)
     summary = src / "summary.json"
     if not found and summary.is_file():
-        ckpt_dir = json.loads(summary.read_text()).get("checkpoint_dir")
+        ckpt_dir = summary_checkpoint_dir(summary)
         if ckpt_dir:
             found = list_checkpoints(ckpt_dir)
     found = [p for p in found if (p / POLICY_DIR).is_dir()]
@@ -45,26 +89,40 @@ def find_checkpoint(source: str | Path) -> Path:
 
 def export_policy(source: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     """Write the checkpoint's policy to `out` as an HF folder (in `dtype` when given); returns `out`."""
-    ckpt = find_checkpoint(source)
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ExportError(f"{out}: output folder exists and is not empty")
+    if problem := out_problem(out):
+        raise ExportError(problem)
+    ckpt = find_checkpoint(source)
     tmp = out.with_name(out.name + ".export-tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(ckpt / POLICY_DIR, tmp)
-    if dtype is not None:
-        from transformers import AutoModelForCausalLM
-
-        from .hub import parse_dtype
-
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=parse_dtype(dtype, field="--dtype"))
-        for f in tmp.glob("*.safetensors*"):
-            f.unlink()
-        model.save_pretrained(tmp)
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
+    try:
+        shutil.copytree(ckpt / POLICY_DIR, tmp)
+        if dtype is not None:
+            _cast(tmp, dtype, ckpt / POLICY_DIR)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves nothing behind
+        raise
     return out
+
+
+def _cast(tmp: Path, dtype: str, policy: Path) -> None:
+    """Rewrite the weights in `tmp` (a copy of `policy`) as `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    from .hub import parse_dtype
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=parse_dtype(dtype, field="--dtype"))
+    except (OSError, ValueError) as exc:
+        # transformers names the folder it read: the temporary copy, which is gone once this fails
+        reason = str(exc).replace(str(tmp), str(policy)).splitlines()[0]
+        raise ExportError(f"{policy}: cannot load the policy to cast it to {dtype}: {reason}") from None
+    for f in tmp.glob("*.safetensors*"):
+        f.unlink()
+    model.save_pretrained(tmp)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -73,5 +131,9 @@ def main(args: argparse.Namespace) -> int:
     except (ExportError, ValueError) as exc:
         print(f"specrl export: {exc}", file=sys.stderr)
         return 1  # invalid input (see `specrl --help`)
+    except OSError as exc:  # copying or writing: a full disk, a permission
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"specrl export: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0

@@ -291,6 +291,7 @@ def load_jsonl(path: str | Path, *, strict: bool = False, prompt_field: str = "p
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"dataset file {str(p)!r} does not exist" if not p.exists()
+                           else f"dataset path {str(p)!r} is a directory" if p.is_dir()
                            else f"dataset path {str(p)!r} is not a file")
     problems: list[Problem] = []
     malformed = 0

@@ -7,19 +7,61 @@ length, the workload's response lengths and batch size); the measured speedups a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.adaptive import alpha_from_mean_accepted
 from .analysis import without_speculation
 from .rl_sim import simulate
-from .scenario import Scenario
+from .scenario import MAX_SEQUENCES, MAX_TOKENS, Calibration, Scenario, validation_problems
+
+
+class _BenchPart(BaseModel):
+    # the bench writes many more keys than the simulator reads
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class BenchWorkload(_BenchPart):
+    batch_size: int = Field(ge=1, le=MAX_SEQUENCES)
+    response_lengths: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]] | None = None
+    prompt_tokens_mean: float = Field(16.0, ge=0, le=MAX_TOKENS)
+    rollout_step: int | None = Field(None, ge=1)
+
+
+class BenchConfig(_BenchPart):
+    name: str
+    method: str | None = None
+    gamma: int | None = Field(None, ge=1, le=16)
+    acceptance_length: float | None = Field(None, ge=1, le=17)
+    speedup_vs_ar: float | None = Field(None, gt=0)
+
+
+class BenchFile(_BenchPart):
+    """What `--from-bench` reads of a `specrl bench rollout --json` file."""
+
+    workload: BenchWorkload
+    calibration: Calibration
+    configs: list[BenchConfig]
+
+
+def check_bench(bench: Any) -> None:
+    """ValueError with one `field.path: message` line per problem when `bench` is not a bench rollout JSON."""
+    if not isinstance(bench, dict):
+        raise ValueError(f"expected a JSON object (what `specrl bench rollout --json` writes), got "  # noqa: TRY004
+                         f"{'null' if bench is None else type(bench).__name__}")
+    try:
+        BenchFile.model_validate(bench)
+    except ValidationError as exc:
+        raise ValueError("; ".join(validation_problems(exc))) from None
 
 
 def bench_lengths(bench: dict[str, Any]) -> list[int]:
     lengths = bench["workload"].get("response_lengths")
     if not lengths:
         raise ValueError("bench JSON: workload.response_lengths missing (re-run `specrl bench rollout --json`)")
-    return [int(x) for x in lengths]
+    # an empty response still takes a prefill and a step: the simulator's shortest response is one token
+    return [max(1, int(x)) for x in lengths]
 
 
 def scenario_from_bench(bench: dict[str, Any], method: str = "none", gamma: int = 1, alpha: float = 0.0,
@@ -46,6 +88,7 @@ def scenario_from_bench(bench: dict[str, Any], method: str = "none", gamma: int 
 
 def predict_bench(bench: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per fixed speculative configuration the bench measured: measured vs predicted speedup."""
+    check_bench(bench)
     rows = []
     ar_time: float | None = None
     # the bench decodes its workload as rollout steps of `rollout_step` prompts, one after the other (older JSON:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,8 +39,38 @@ def _table(report: Report) -> Table:
     return t
 
 
+def output_problem(option: str, path: str | None) -> str | None:
+    """Why an output file cannot be written, checked before simulating: a failed write after minutes of
+    simulation would lose the results."""
+    if path is None:
+        return None
+    p = Path(path)
+    parent = p.parent
+    if p.is_dir():
+        return f"{option}: {path!r} is a directory"
+    if not parent.is_dir():
+        return f"{option}: folder {str(parent)!r} does not exist" if not parent.exists() else \
+            f"{option}: {str(parent)!r} is not a directory"
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        return f"{option}: {path!r} is not writable"
+    return None
+
+
+def _write(option: str, path: str, text: str) -> bool:
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        print(f"specrl simulate: {option}: cannot write {path!r}: {exc.strerror or exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(args: argparse.Namespace) -> int:
     console = Console(width=max(150, Console().width))
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if problem := output_problem(option, path):
+            print(f"specrl simulate: {problem}", file=sys.stderr)
+            return 1
     if args.from_bench:
         return _from_bench(console, args)
     if args.list:
@@ -69,12 +100,16 @@ def main(args: argparse.Namespace) -> int:
     moves = report.to_json(args.preset)["runs"]["elastic"]["moves"]
     if moves:
         console.print(f"elastic moves: {', '.join(moves[:8])}{' …' if len(moves) > 8 else ''}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.to_json(args.preset), indent=2))
+    if args.json and not _write("--json", args.json, json.dumps(report.to_json(args.preset), indent=2)):
+        return 1
     if args.plot:
         from .plot import timeline
 
-        console.print(f"timeline: {timeline(report, args.plot)}")
+        try:
+            console.print(f"timeline: {timeline(report, args.plot)}")
+        except OSError as exc:
+            print(f"specrl simulate: --plot: cannot write {args.plot!r}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -82,10 +117,23 @@ def _from_bench(console: Console, args: argparse.Namespace) -> int:
     from .calibrated import predict_bench
 
     try:
-        bench = json.loads(Path(args.from_bench).read_text())
+        text = Path(args.from_bench).read_text(encoding="utf-8")
+    except OSError as exc:
+        print(f"specrl simulate: --from-bench: cannot read {args.from_bench!r}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except UnicodeDecodeError:
+        print(f"specrl simulate: --from-bench: {args.from_bench}: not UTF-8 text", file=sys.stderr)
+        return 1
+    try:
+        bench = json.loads(text)
+    except json.JSONDecodeError as exc:
+        print(f"specrl simulate: --from-bench: {args.from_bench}: invalid JSON at line {exc.lineno}, column "
+              f"{exc.colno}: {exc.msg}", file=sys.stderr)
+        return 1
+    try:
         rows = predict_bench(bench)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"specrl simulate: {args.from_bench}: {exc}", file=sys.stderr)
+    except ValueError as exc:  # check_bench names the fields; a ValidationError of a derived scenario too
+        print(f"specrl simulate: --from-bench: {args.from_bench}: {exc}", file=sys.stderr)
         return 1
     t = Table(title=f"simulator vs measured on this machine ({args.from_bench})")
     for col in ("config", "acceptance length", "measured speedup", "predicted speedup", "error"):
@@ -94,6 +142,7 @@ def _from_bench(console: Console, args: argparse.Namespace) -> int:
         t.add_row(r["name"], f"{r['acceptance_length']:.2f}", f"{r['measured_speedup']:.2f}x",
                   f"{r['predicted_speedup']:.2f}x", f"{r['relative_error']:+.0%}")
     console.print(t)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"from_bench": args.from_bench, "configs": rows}, indent=2))
+    if args.json and not _write("--json", args.json, json.dumps({"from_bench": args.from_bench, "configs": rows},
+                                                                 indent=2)):
+        return 1
     return 0

@@ -6,24 +6,48 @@ scenarios shipped under `presets/`; every number in them that comes from a paper
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..api import format_path, load_yaml_documents, yaml_error_message
 
 PRESETS = Path(__file__).with_name("presets")
 
 Drafter = Literal["none", "draft_model", "ngram", "layer_skip", "quantized_self", "eagle", "eagle3", "mtp"]
 
+# Upper bounds: far above any real job, low enough that the simulation of one still ends (it simulates every step,
+# every rollout instance and every trainer split it tries).
+MAX_GPUS = 65_536  # the largest training clusters hold tens of thousands of GPUs
+MAX_STEPS = 10_000  # RL runs are hundreds to a few thousand steps
+MAX_TOKENS = 1_048_576  # a 1M-token context
+MAX_SEQUENCES = 65_536  # prompts per step, concurrent sequences per instance
+MAX_LENGTHS = 1_000_000  # empirical lengths listed in a scenario
+
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+Gamma = Annotated[int, Field(ge=1, le=16)]
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # inf and nan pass `ge=0` and then never end (or never compare) in the event simulation
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class Cluster(_Strict):
     gpu: str = Field("H100", description="accelerator name from data/hardware.yaml")
-    gpus: int = Field(8, ge=1, description="GPUs in the job's pool (trainer + rollout)")
+    gpus: int = Field(8, ge=1, le=MAX_GPUS, description=f"GPUs in the job's pool (trainer + rollout), at most {MAX_GPUS}")
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, name: str) -> str:
+        from .hardware import gpu
+
+        gpu(name)  # ValueError naming the known ones
+        return name
 
 
 class Efficiency(_Strict):
@@ -36,8 +60,9 @@ class Efficiency(_Strict):
 
 
 class Rollout(_Strict):
-    tensor_parallel: int = Field(1, ge=1, description="GPUs per inference instance")
-    max_batch: int = Field(256, ge=1, description="max concurrent sequences per instance (vLLM max_num_seqs)")
+    tensor_parallel: int = Field(1, ge=1, le=1024, description="GPUs per inference instance (at most 1024)")
+    max_batch: int = Field(256, ge=1, le=MAX_SEQUENCES, description=(
+        f"max concurrent sequences per instance (vLLM max_num_seqs), at most {MAX_SEQUENCES}"))
     efficiency: Efficiency = Efficiency()
 
 
@@ -50,29 +75,42 @@ class Training(_Strict):
 
 class Response(_Strict):
     distribution: Literal["lognormal", "pareto", "empirical"] = "lognormal"
-    median: float = Field(1000, gt=0, description="median response length (tokens)")
-    sigma: float = Field(0.8, gt=0, description="lognormal shape")
-    alpha: float = Field(1.5, gt=0, description="pareto tail index")
-    min: int = Field(16, ge=1)
-    max: int = Field(16384, ge=1, description="max new tokens: responses are truncated here")
-    lengths: list[int] = Field(default_factory=list, description="empirical lengths (distribution: empirical)")
+    median: float = Field(1000, gt=0, le=MAX_TOKENS, description=f"median response length (tokens), at most {MAX_TOKENS}")
+    sigma: float = Field(0.8, gt=0, le=10, description="lognormal shape (at most 10)")
+    alpha: float = Field(1.5, gt=0, le=100, description="pareto tail index (at most 100)")
+    min: int = Field(16, ge=1, le=MAX_TOKENS, description="responses shorter than this are lengthened to it")
+    max: int = Field(16384, ge=1, le=MAX_TOKENS, description=(
+        f"max new tokens: responses are truncated here (at most {MAX_TOKENS})"))
+    lengths: list[Tokens] = Field(default_factory=list, max_length=MAX_LENGTHS, description=(
+        f"empirical lengths (distribution: empirical), each 1..{MAX_TOKENS}, at most {MAX_LENGTHS} of them"))
     exact: bool = Field(False, description="empirical: use exactly these lengths every step instead of resampling")
-    metrics_file: str | None = Field(None, description="a `specrl run` metrics.jsonl to take empirical lengths from")
+    metrics_file: str | None = Field(None, min_length=1, description=(
+        "a `specrl run` metrics.jsonl to take empirical lengths from"))
+
+    @model_validator(mode="after")
+    def _check(self) -> Response:
+        if self.min > self.max:
+            raise ValueError(f"workload.response.min: must be <= max ({self.max}), got {self.min}")
+        if self.distribution == "empirical" and not self.lengths and not self.metrics_file:
+            raise ValueError("workload.response.lengths: distribution empirical needs lengths or metrics_file")
+        return self
 
 
 class Workload(_Strict):
-    steps: int = Field(8, ge=1)
-    prompts_per_step: int = Field(128, ge=1)
-    group_size: int = Field(8, ge=1)
-    prompt_tokens: int = Field(256, ge=1)
+    steps: int = Field(8, ge=1, le=MAX_STEPS, description=f"RL steps to simulate, at most {MAX_STEPS}")
+    prompts_per_step: int = Field(128, ge=1, le=MAX_SEQUENCES, description=f"at most {MAX_SEQUENCES}")
+    group_size: int = Field(8, ge=1, le=1024, description="responses per prompt, at most 1024")
+    prompt_tokens: int = Field(256, ge=1, le=MAX_TOKENS, description=f"at most {MAX_TOKENS}")
     response: Response = Response()
-    length_growth_per_step: float = Field(0.0, description="relative growth of the median length per RL step")
+    length_growth_per_step: float = Field(0.0, ge=0, le=1, description=(
+        "relative growth of the median length per RL step, 0..1 (1: doubling every step)"))
     seed: int = 0
 
 
 class Acceptance(_Strict):
     alpha: float = Field(0.7, ge=0, lt=1, description="per-token acceptance probability of the drafter")
-    per_position: list[float] = Field(default_factory=list, description="acceptance per draft position (overrides alpha)")
+    per_position: list[Probability] = Field(default_factory=list, max_length=64, description=(
+        "acceptance per draft position, each 0..1 (overrides alpha)"))
     drift_per_step: float = Field(0.0, ge=0, description="alpha lost per RL step while the drafter is stale")
     min_alpha: float = Field(0.2, ge=0, lt=1)
 
@@ -85,23 +123,34 @@ class DrafterTraining(_Strict):
 
 class Speculative(_Strict):
     drafter: Drafter = "none"
-    draft_model: str | None = Field(None, description="model name for drafter: draft_model")
+    draft_model: str | None = Field(None, description="model name for drafter: draft_model (data/hardware.yaml)")
     quant_bits: int = Field(4, ge=2, le=16, description="weight bits of the quantized_self drafter")
     skip_fraction: float = Field(0.5, gt=0, lt=1, description="share of layers a layer_skip drafter runs")
     num_speculative_tokens: int = Field(3, ge=1, le=16)
     policy: Literal["always", "toggle", "adaptive"] = Field(
         "adaptive", description="always: fixed gamma; toggle: on when predicted gain; adaptive: toggle + best gamma"
     )
-    gamma_choices: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])
+    gamma_choices: list[Gamma] = Field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8], min_length=1, max_length=16,
+                                       description="draft lengths the adaptive policy picks from, each 1..16")
     toggle_margin: float = Field(0.05, ge=0)
     overhead_ms: float = Field(0.5, ge=0, description="per SD iteration: rejection sampling, bookkeeping")
     acceptance: Acceptance = Acceptance()
     drafter_training: DrafterTraining = DrafterTraining()
 
+    @field_validator("draft_model")
+    @classmethod
+    def _known_draft_model(cls, name: str | None) -> str | None:
+        from .hardware import model
+
+        if name is not None:
+            model(name)  # ValueError naming the known ones
+        return name
+
 
 class Elastic(_Strict):
     enabled: bool = False
-    poll_seconds: float = Field(10.0, gt=0, description="how often the operator polls the coordinator")
+    poll_seconds: float = Field(10.0, ge=0.1, description=(
+        "how often the operator polls the coordinator (at least 0.1: every poll is simulated)"))
     drain_seconds: float = Field(20.0, ge=0, description="drain of the victim worker")
     startup_seconds: float = Field(60.0, ge=0, description="pod start, model load and group rebuild")
     cooldown_seconds: float = Field(120.0, ge=0)
@@ -147,9 +196,9 @@ class Scenario(_Strict):
     description: str = ""
     sources: list[str] = Field(default_factory=list)
     cluster: Cluster = Cluster()
-    model: str = "Qwen3-8B"
+    model: str = Field("Qwen3-8B", description="model name from data/hardware.yaml")
     placement: Literal["colocated", "split"] = "split"
-    trainer_gpus: int | None = Field(None, ge=1, description="split placement: trainer share of the pool")
+    trainer_gpus: int | None = Field(None, ge=1, le=MAX_GPUS, description="split placement: trainer share of the pool")
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = Field(1, ge=0)
     rollout: Rollout = Rollout()
@@ -159,6 +208,14 @@ class Scenario(_Strict):
     elastic: Elastic = Elastic()
     calibration: Calibration | None = None
     expect: Expect = Expect()
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        from .hardware import model
+
+        model(name)  # ValueError naming the known ones
+        return name
 
     @model_validator(mode="after")
     def _check(self) -> Scenario:
@@ -186,7 +243,7 @@ def list_presets() -> list[str]:
 
 
 def load_scenario(path: str | Path | None = None, preset: str | None = None) -> Scenario:
-    """Load a scenario file or a preset; errors name the file and the field."""
+    """Load a scenario file or a preset; errors name the file and the field, one line each."""
     if preset is not None:
         path = PRESETS / f"{preset}.yaml"
         if not path.exists():
@@ -195,15 +252,49 @@ def load_scenario(path: str | Path | None = None, preset: str | None = None) -> 
         raise ValueError("give a scenario file or --preset NAME")
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: invalid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a scenario must be a mapping")  # noqa: TRY004 (a file error, not a type error)
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: cannot read: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        return Scenario.model_validate(data)
+        # the RLJob loader: duplicate keys are errors (not silently the last one), nesting is bounded
+        docs = load_yaml_documents(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: {yaml_error_message(exc)}") from None
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        found = f"{len(docs)} documents" if len(docs) != 1 else type(docs[0]).__name__
+        raise ValueError(f"{path}: a scenario must be one mapping, got {found}")
+    try:
+        scenario = Scenario.model_validate(docs[0])
     except ValidationError as exc:
-        lines = [f"{path}: {'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()]
-        raise ValueError("\n".join(lines)) from None
+        raise ValueError("\n".join(f"{path}: {problem}" for problem in validation_problems(exc))) from None
+    if scenario.workload.response.distribution == "empirical":
+        from .workload import empirical_lengths
+
+        try:
+            empirical_lengths(scenario.workload.response)  # a missing or broken metrics_file fails here, not mid-run
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    return scenario
+
+
+def validation_problems(exc: ValidationError) -> list[str]:
+    """`field.path: message` of each error. A validator of ours that names its field (`cluster.gpus: ...`) gives
+    its own path; pydantic's wording is made to read like the RLJob's."""
+    out = []
+    for err in exc.errors(include_url=False):
+        where, msg = format_path(err["loc"]), err["msg"]
+        if err["type"] == "value_error":
+            msg = str(err["ctx"]["error"])
+            field, sep, rest = msg.partition(": ")
+            if sep and re.fullmatch(r"[a-z_][a-z0-9_.]*", field):
+                where, msg = field, rest
+        elif err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        elif err["type"] == "missing":
+            msg = "required field is missing"
+        else:
+            msg = msg.replace("Input should be", "must be").replace("List should have", "must have")
+        out.append(f"{where or '<root>'}: {msg}")
+    return out

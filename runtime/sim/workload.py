@@ -9,19 +9,41 @@ import numpy as np
 
 from .scenario import Response, Workload
 
+FIELD = "workload.response.metrics_file"
+
 
 def empirical_lengths(resp: Response) -> list[int]:
+    """The empirical lengths; ValueError naming workload.response.metrics_file when that file is unusable."""
     if resp.lengths:
         return list(resp.lengths)
     if resp.metrics_file:
-        out: list[int] = []
-        for line in Path(resp.metrics_file).read_text().splitlines():
-            if line.strip():
-                out.extend(int(x) for x in json.loads(line).get("response_lengths", []))
-        if not out:
-            raise ValueError(f"{resp.metrics_file}: no response_lengths in any line")
-        return out
+        return metrics_file_lengths(resp.metrics_file)
     raise ValueError("workload.response: empirical needs lengths or metrics_file")
+
+
+def metrics_file_lengths(path: str) -> list[int]:
+    """Every `response_lengths` entry of a `specrl run` metrics.jsonl."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{FIELD}: cannot read {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{FIELD}: {path!r} is not UTF-8 text") from None
+    out: list[int] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{FIELD}: {path}:{lineno}: not JSON ({exc.msg})") from None
+        lengths = record.get("response_lengths", []) if isinstance(record, dict) else None
+        if not isinstance(lengths, list) or not all(isinstance(x, int) and x >= 0 for x in lengths):
+            raise ValueError(f"{FIELD}: {path}:{lineno}: response_lengths must be a list of integers >= 0")
+        out.extend(lengths)
+    if not out:
+        raise ValueError(f"{FIELD}: {path}: no response_lengths in any line")
+    return out
 
 
 def step_lengths(w: Workload, step: int) -> np.ndarray:

@@ -62,7 +62,8 @@ app.kubernetes.io/component: operator
 {{/*
 RBAC: exactly what the operator calls (operator/rbac.py RBAC_RULES is the source of truth; a test compares
 the rendered rules with it). Namespaced rules go into a ClusterRole (all namespaces) or one Role per watched
-namespace; the cluster rules are what kopf needs to discover resources and namespaces, whatever the mode.
+namespace; the cluster rules are what kopf needs to discover resources (and namespaces, when it watches named
+ones) and the nodes of lost pods.
 */}}
 {{- define "specrl.rbac.namespacedRules" -}}
 - apiGroups: ["specrl.io"]
@@ -71,6 +72,10 @@ namespace; the cluster rules are what kopf needs to discover resources and names
 - apiGroups: ["specrl.io"]
   resources: ["rljobs/status"]
   verbs: ["get", "patch"]
+# blockOwnerDeletion on the children's ownerReferences needs it under OwnerReferencesPermissionEnforcement.
+- apiGroups: ["specrl.io"]
+  resources: ["rljobs/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch", "create", "delete"]
@@ -93,11 +98,14 @@ namespace; the cluster rules are what kopf needs to discover resources and names
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
 - apiGroups: [""]
-  resources: ["namespaces"]
-  verbs: ["list", "watch"]
-- apiGroups: [""]
   resources: ["nodes"]
   verbs: ["get"]
+{{- if .Values.watchNamespaces }}
+# kopf lists and watches namespaces only when it does not run cluster-wide.
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
 {{- end }}
 
 {{/* kopf peering (only with operator.peering): cluster-wide peering objects, or per-namespace ones. */}}

@@ -209,6 +209,13 @@ def test_operator_deployment(values: Path | None) -> None:
     assert "readinessProbe" not in c
 
 
+@pytest.mark.parametrize("sets", [{"operator.healthPort": "8080"}, {"operator.metricsPort": "8081"}])
+def test_metrics_and_health_ports_must_differ(sets: dict[str, str]) -> None:
+    # One port for both: the operator would bind it twice and the Service would list it twice.
+    with pytest.raises(AssertionError, match="operator.metricsPort and operator.healthPort must differ"):
+        helm_template(sets=sets)
+
+
 def test_operator_args_parse_with_the_real_cli() -> None:
     # Every flag the chart passes must be accepted by `specrl operator` (no typo'd flag crash-loops the pod).
     from specrl.runtime.cli import build_parser

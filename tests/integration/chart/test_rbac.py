@@ -6,13 +6,14 @@ ClusterRole (all namespaces) or one Role per watched namespace. Peering rules ap
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from specrl.operator.rbac import PEERING_RBAC_RULES, RBAC_RULES
+from specrl.operator.rbac import PEERING_RBAC_RULES, RBAC_RULES, WATCHED_NAMESPACES_RBAC_RULES
 
-from tests.integration.chart.chart_support import CI_VALUES, Grant, by_kind, grants, helm_template
+from tests.integration.chart.chart_support import CHART, CI_VALUES, Grant, by_kind, grants, helm_template
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +70,7 @@ def test_all_namespaces_grants_exactly_the_operator_rules() -> None:
     docs = helm_template(None, release=RELEASE, namespace=NAMESPACE)
     by_ns = operator_grants(docs, "specrl")
     assert set(by_ns) == {"*"}, "all-namespaces mode must use ClusterRoleBindings only"
-    assert flatten(by_ns) == split(RBAC_RULES)
+    assert flatten(by_ns) == split(RBAC_RULES)  # no namespaces list/watch: kopf runs cluster-wide
 
 
 @pytest.mark.parametrize("stem", ["single-namespace-values", "multi-namespace-values"])
@@ -81,7 +82,7 @@ def test_watched_namespaces_get_roles_and_nothing_else(stem: str) -> None:
     docs = helm_template(path, release=RELEASE, namespace=NAMESPACE)
     by_ns = operator_grants(docs, "specrl")
     assert set(by_ns) == {"*", *v["watchNamespaces"]}
-    expected = split(RBAC_RULES)
+    expected = split(RBAC_RULES + WATCHED_NAMESPACES_RBAC_RULES)
     peering = bool(v.get("operator", {}).get("peering"))
     expected_ns = {g for g in expected if g[0] == "namespaced"}
     if peering:  # namespaced operators peer through KopfPeering objects in their namespaces
@@ -118,3 +119,28 @@ def test_user_facing_aggregated_roles() -> None:
 def test_helm_test_pod_needs_nothing_beyond_the_operator_rules() -> None:
     # The hook lists CRDs by name with the operator's ServiceAccount: `list` on CRDs must be granted.
     assert ("cluster", "apiextensions.k8s.io", "customresourcedefinitions", "list") in split(RBAC_RULES)
+
+
+def readme_rbac_table() -> list[tuple[str, str, str, set[str]]]:
+    """(scope, group, resource, verbs) per resource of the chart README's RBAC table."""
+    text = (CHART / "README.md").read_text()
+    table = text.split("### RBAC (least privilege)", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    out = []
+    for group_cell, resource_cell, verbs_cell, _why in rows:
+        (group,) = re.findall(r"`([^`]*)`", group_cell)
+        scope = "cluster" if "(cluster)" in resource_cell else "namespaced"
+        verbs = {v.strip() for v in verbs_cell.split(",")}
+        for resource in re.findall(r"`([^`]+)`", resource_cell):
+            out.append((scope, group.strip('"'), resource, verbs))
+    return out
+
+
+def test_readme_rbac_table_is_exactly_the_operator_rules() -> None:
+    # NOTES.txt sends rbac.create=false users to this table: a missing row is a permission the operator lacks.
+    table = readme_rbac_table()
+    assert table, "no RBAC table in charts/specrl/README.md"
+    got = {(scope, group, res, verb) for scope, group, res, verbs in table if group != "kopf.dev" for verb in verbs}
+    assert got == split(RBAC_RULES + WATCHED_NAMESPACES_RBAC_RULES)
+    peering = {("-", group, res, verb) for _, group, res, verbs in table if group == "kopf.dev" for verb in verbs}
+    assert peering == grants(PEERING_RBAC_RULES, "-")

@@ -87,6 +87,18 @@ def test_high_availability_watched_namespaces() -> None:
     assert not by_kind(docs, "ClusterKopfPeering")
 
 
+@pytest.mark.parametrize(("sets", "spec"), [
+    ({}, {"minAvailable": 1}),
+    ({"podDisruptionBudget.maxUnavailable": "0"}, {"maxUnavailable": 0}),  # explicit zeros are settings
+    ({"podDisruptionBudget.minAvailable": "0"}, {"minAvailable": 0}),
+    ({"podDisruptionBudget.maxUnavailable": "50%"}, {"maxUnavailable": "50%"}),
+    ({"podDisruptionBudget.minAvailable": "2"}, {"minAvailable": 2}),
+])
+def test_pod_disruption_budget_keeps_explicit_values(sets: dict[str, str], spec: dict[str, object]) -> None:
+    (pdb,) = by_kind(helm_template(sets={"replicaCount": "2", **sets}), "PodDisruptionBudget")
+    assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == spec
+
+
 @pytest.mark.parametrize("sets", [{"replicaCount": "0"}, {"jobImage": "has space"}, {"podDisruptionBudget.bogus": "1"}])
 def test_schema_refuses_bad_values(sets: dict[str, str]) -> None:
     with pytest.raises(AssertionError, match="values don't meet the specifications|schema"):

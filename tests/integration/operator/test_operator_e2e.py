@@ -19,7 +19,7 @@ import pytest
 import yaml
 from specrl.operator.rebalance import possible_moves
 
-from .conftest import RLJOBS, ROOT, KubeEnv, OperatorProcess, wait_for
+from .conftest import OPERATOR_AGENTS, RLJOBS, ROOT, KubeEnv, OperatorProcess, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -449,7 +449,16 @@ def test_kill_mid_move_and_restart_finishes_the_same_move(kube: KubeEnv, operato
         kube.coordinator.retire_after = 0.3
 
 
+def _namespace_reads(kube: KubeEnv) -> int:
+    """Namespace lists and watches the operator sent (kubectl's own creates are not counted)."""
+    return sum(str(r.url.path).rstrip("/") == "/api/v1/namespaces"
+               and str(getattr(r.method, "value", r.method)).upper() == "GET"
+               and r.headers.get("User-Agent", "").startswith(OPERATOR_AGENTS) for r in kube.requests())
+
+
 def test_namespaced_operator_serves_only_its_namespaces(kube: KubeEnv, operator: OperatorProcess):
+    # The chart grants namespaces list/watch only with watchNamespaces: cluster-wide, kopf never reads them.
+    assert _namespace_reads(kube) == 0, "the all-namespaces operator listed or watched namespaces"
     operator.stop()
     scoped = OperatorProcess(kube, namespaces=("team-a", "team-b"))
     try:
@@ -460,6 +469,7 @@ def test_namespaced_operator_serves_only_its_namespaces(kube: KubeEnv, operator:
         wait_for(lambda: len(kube.pods("team-a")) == 3 and len(kube.pods("team-b")) == 3, 20, "pods in team-a/b")
         time.sleep(1.0)
         assert kube.pods("team-c") == {} and status(kube, "team-c", "not-mine") == {}
+        assert _namespace_reads(kube) > 0, "a namespaced operator lists namespaces (its RBAC grants it)"
     finally:
         assert scoped.stop() == 0, scoped.tail()
         operator.start()

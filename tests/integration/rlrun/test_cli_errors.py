@@ -35,6 +35,43 @@ def test_missing_dataset_file_names_the_field(tmp_path):
     assert not (tmp_path / "runs").exists()  # no partial state
 
 
+def test_dataset_without_a_usable_line_fails_before_ray(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('not json\n{"prompt": 1}\n[1, 2]\n')
+    job = _job(tmp_path, f"  dataset: {{type: jsonl, path: {data}}}\n")
+    r = _run(["run", str(job), "--no-progress"], tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1] == (f"specrl run: {job}: bad: spec.dataset.path: dataset file {str(data)!r} has no "
+                                         "valid lines (3 malformed)")
+    assert not (tmp_path / "runs").exists()  # nothing created
+    job = _job(tmp_path, f"  dataset: {{type: jsonl, path: {tmp_path}}}\n")
+    r = _run(["run", str(job), "--no-progress"], tmp_path)
+    assert r.returncode == 1 and f"spec.dataset.path: dataset path {str(tmp_path)!r} is a directory" in r.stderr
+    r = _run(["run", str(tmp_path)], tmp_path)
+    assert r.returncode == 1 and r.stderr == f"specrl run: {tmp_path}: is a directory\n"
+
+
+@pytest.mark.parametrize("out", ["afile", "afile/sub"])
+def test_out_under_an_existing_file_is_one_line_before_any_work(tmp_path, out):
+    (tmp_path / "afile").write_text("x")
+    job = _job(tmp_path, "  algorithm: {groupSize: 1}\n")  # invalid too: --out is checked first, without loading
+    r = _run(["run", str(job), "--out", out], tmp_path)
+    assert r.returncode == 1
+    assert r.stderr == "specrl run: --out: 'afile' exists and is not a directory\n" if out == "afile" else \
+        r.stderr == "specrl run: --out: 'afile' is not a directory\n"
+
+
+def test_steps_override_keeps_the_spec_bound(tmp_path):
+    job = _job(tmp_path, "  mode: sync\n")
+    r = _run(["run", str(job), "--steps", "1000001"], tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "argument --steps: must be less than or equal to 1000000" in r.stderr
+    from specrl.runtime.local import JobError, load_settings
+
+    with pytest.raises(JobError, match=r"^--steps: must be less than or equal to 1000000"):
+        load_settings(str(job), steps=2_000_000)
+
+
 def test_reward_function_not_installed(tmp_path):
     job = _job(tmp_path, "  reward: {type: function, function: 'nosuchpkg.rewards:score'}\n")
     r = _run(["run", str(job)], tmp_path)

@@ -104,7 +104,11 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
     ("toleration-seconds", _doc({"resources": {"podTemplate": {"tolerations": [{"tolerationSeconds": -5}]}}}),
      "spec.resources.podTemplate.tolerations[0].tolerationSeconds", ">= 0", SAME),
     ("quantity", _doc({"resources": {"podTemplate": {"resources": {"requests": {"memory": "lots"}}}}}),
-     "spec.resources.podTemplate.resources.requests.memory", "Kubernetes quantity", None),
+     "spec.resources.podTemplate.resources.requests.memory", "Kubernetes quantity", SAME),
+    ("quantity-upper-k", _pt({"resources": {"limits": {"memory": "5K"}}}),
+     "spec.resources.podTemplate.resources.limits.memory", "Kubernetes quantity", SAME),
+    ("quantity-size-limit", _pt({"volumes": [{"name": "a", "emptyDir": {"sizeLimit": "big"}}]}),
+     "spec.resources.podTemplate.volumes[0].emptyDir.sizeLimit", "Kubernetes quantity", SAME),
     ("env-name", _doc({"resources": {"podTemplate": {"env": [{"name": "1 BAD"}]}}}),
      "spec.resources.podTemplate.env[0].name", "environment variable name", SAME),
     ("cooldown", _doc({"elastic": {"cooldownSeconds": -1}}), "spec.elastic.cooldownSeconds", ">= 0", SAME),
@@ -117,7 +121,9 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
     ("backoff", _doc({"backoffLimit": -1}), "spec.backoffLimit", ">= 0", SAME),
     # --- cross-field rules
     ("builtin-model", _doc({"model": {"name": "builtin:huge"}}), "spec.model.name", "unknown builtin model", SAME),
-    ("model-whitespace", _doc({"model": {"name": "my model"}}), "spec.model.name", "no whitespace", None),
+    ("model-whitespace", _doc({"model": {"name": "Qwen/Qwen3 8B"}}), "spec.model.name", "no whitespace", SAME),
+    ("draft-model-whitespace", _doc({"speculative": {"method": "draft_model", "draftModel": "org/draft\tv2"}}),
+     "spec.speculative.draftModel", "no whitespace", SAME),
     ("difficulty-zero", _doc({"dataset": {"synthetic": {"difficulty": {"easy": 0, "medium": 0, "hard": 0}}}}),
      "spec.dataset.synthetic.difficulty", "must not all be zero", SAME),
     ("jsonl-needs-path", _doc({"dataset": {"type": "jsonl"}}), "spec.dataset.path", "required when type is jsonl",
@@ -188,6 +194,18 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
                                  "volumeMounts": [{"name": "a", "mountPath": "/etc/specrl"}]}),
      "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
      "spec.resources.podTemplate.volumeMounts"),
+    ("mount-reserved-trailing-slash", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
+                                           "volumeMounts": [{"name": "a", "mountPath": "/etc/specrl/"}]}),
+     "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
+     "spec.resources.podTemplate.volumeMounts"),
+    ("mount-reserved-ancestor", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
+                                     "volumeMounts": [{"name": "a", "mountPath": "/dev"}]}),
+     "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
+     "spec.resources.podTemplate.volumeMounts"),
+    ("mount-reserved-inside", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
+                                   "volumeMounts": [{"name": "a", "mountPath": "/dev/shm/x"}]}),
+     "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
+     "spec.resources.podTemplate.volumeMounts"),
     ("mount-duplicate-path", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
                                   "volumeMounts": [{"name": "a", "mountPath": "/a"}, {"name": "a", "mountPath": "/a/"}]}),
      "spec.resources.podTemplate.volumeMounts[1].mountPath", "duplicate mountPath", None),
@@ -214,6 +232,43 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
      "spec.resources.podTemplate.topologySpreadConstraints[0]"),
     ("pull-secret-name", _pt({"imagePullSecrets": [{"name": ""}]}),
      "spec.resources.podTemplate.imagePullSecrets[0].name", "at least 1", SAME),
+    # --- what the API server would refuse in the pods (label keys and values, resource names)
+    ("label-value-long", _pt({"labels": {"team": "a" * 64}}), "spec.resources.podTemplate.labels.team",
+     "at most 63 characters", SAME),
+    ("label-value-charset", _pt({"labels": {"team": "ml team"}}), "spec.resources.podTemplate.labels.team",
+     "valid label value", SAME),
+    ("label-key-name", _pt({"labels": {"-team": "ml"}}), "spec.resources.podTemplate.labels.-team",
+     "invalid key: name part", "spec.resources.podTemplate.labels"),
+    ("label-key-long", _pt({"labels": {"k" * 64: "v"}}), "spec.resources.podTemplate.labels." + "k" * 64,
+     "invalid key: name part must be at most 63", "spec.resources.podTemplate.labels"),
+    ("label-key-prefix", _pt({"labels": {"Example.com/team": "ml"}}),
+     "spec.resources.podTemplate.labels.Example.com/team", "invalid key: prefix", "spec.resources.podTemplate.labels"),
+    ("labels-too-many", _pt({"labels": {f"k{i}": "v" for i in range(65)}}), "spec.resources.podTemplate.labels",
+     "at most 64 items", SAME),
+    ("annotation-key", _pt({"annotations": {"a/b/c": "x"}}), "spec.resources.podTemplate.annotations.a/b/c",
+     "invalid key", "spec.resources.podTemplate.annotations"),
+    ("annotations-size", _pt({"annotations": {"note": "x" * (256 * 1024)}}), "spec.resources.podTemplate.annotations",
+     "bytes in all", None),
+    ("annotations-too-many", _pt({"annotations": {f"k{i}": "v" for i in range(65)}}),
+     "spec.resources.podTemplate.annotations", "at most 64 items", SAME),
+    ("node-selector-value", _pt({"nodeSelector": {"pool": "p" * 64}}), "spec.resources.podTemplate.nodeSelector.pool",
+     "at most 63 characters", SAME),
+    ("node-selector-key", _pt({"nodeSelector": {"gpu pool": "a"}}),
+     "spec.resources.podTemplate.nodeSelector.gpu pool", "invalid key", "spec.resources.podTemplate.nodeSelector"),
+    ("resource-name", _pt({"resources": {"requests": {"bogus": "1"}}}),
+     "spec.resources.podTemplate.resources.requests.bogus", "not a standard resource",
+     "spec.resources.podTemplate.resources.requests"),
+    ("resource-name-form", _doc({"resources": {"rollout": {"podTemplate": {"resources": {"limits": {"a/b/c": 1}}}}}}),
+     "spec.resources.rollout.podTemplate.resources.limits.a/b/c", "optional DNS subdomain prefix",
+     "spec.resources.rollout.podTemplate.resources.limits"),
+    ("pod-fields-ok", _pt({"labels": {"app.kubernetes.io/part-of": "specrl", "kueue.x-k8s.io/queue-name": "q",
+                                      "empty": ""},
+                           "annotations": {"Example.com/Note": "free text, any length: " + "x" * 100},
+                           "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+                           "resources": {"requests": {"cpu": "500m", "memory": "1Gi", "ephemeral-storage": "10Gi",
+                                                      "hugepages-2Mi": "1Gi", "example.com/fpga": 1}},
+                           "volumes": [{"name": "a", "emptyDir": {}}],
+                           "volumeMounts": [{"name": "a", "mountPath": "/etc/specrl2"}]}), "", "", SAME),
     ("scheduler-type", _pt({"schedulerName": 3}), "spec.resources.podTemplate.schedulerName", "valid string", SAME),
     ("role-gpu", _doc({"resources": {"coordinator": {"podTemplate": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}}}),
      "spec.resources.coordinator.podTemplate.resources.limits.nvidia.com/gpu", "gpusPerPod",
@@ -288,7 +343,8 @@ def test_every_cross_field_rule_has_a_case() -> None:
                    "async mode needs maxStaleness", "nccl needs GPUs", "only used when", "exactly one of",
                    "refused unless allowHostPath", "reserved for the operator", "no volume named",
                    "overlaps the operator's mounts", "duplicate mountPath", "duplicate volume", "mutually exclusive",
-                   "must be under progressDeadlineSeconds"):
+                   "must be under progressDeadlineSeconds", "invalid key", "not a standard resource",
+                   "bytes in all"):
         assert phrase in covered, phrase
 
 
@@ -426,6 +482,40 @@ def test_models_and_crd_agree(spec: dict[str, Any]) -> None:
     except JobValidationError:
         model_ok = False
     assert model_ok == (not _crd_causes(doc)), (spec, _crd_causes(doc))
+
+
+def _both_accept(doc: dict[str, Any]) -> tuple[bool, bool]:
+    try:
+        parse_job(copy.deepcopy(doc))
+        model_ok = True
+    except JobValidationError:
+        model_ok = False
+    return model_ok, not _crd_causes(doc)
+
+
+@pytest.mark.parametrize("mount_path", [
+    "/etc/specrl", "/etc/specrl/", "/etc/specrl//", "/etc/specrl/x", "/etc", "/etc/", "/etc//", "/dev", "/dev/shm/",
+    "/dev/shm/a/b", "/dev/shmx", "/etc/specrl2", "/etc/spec", "/e", "//", "/data", "/devices"])
+def test_mount_overlap_rule_and_its_cel_twin_agree(mount_path: str) -> None:
+    doc = _pt({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": mount_path}]})
+    model_ok, crd_ok = _both_accept(doc)
+    assert model_ok == crd_ok
+
+
+@pytest.mark.parametrize("key", [
+    "app", "A.b-c_d", "app.kubernetes.io/name", "x" * 63, "x" * 64, "-a", "a-", "a b", "a/b/c", "/a", "a/",
+    "Example.com/a", "ex_ample.com/a", "ex..com/a", "a." * 20 + "com/x", "nvidia.com/gpu.product"])
+@pytest.mark.parametrize("field", ["labels", "nodeSelector"])
+def test_label_key_rule_and_its_cel_twin_agree(field: str, key: str) -> None:
+    model_ok, crd_ok = _both_accept(_pt({field: {key: "v"}}))
+    assert model_ok == crd_ok
+
+
+@pytest.mark.parametrize("name", ["cpu", "memory", "ephemeral-storage", "hugepages-1Gi", "hugepages-", "gpu",
+                                  "nvidia.com/gpu", "example.com/fpga", "Example.com/fpga", "a/b/c", "CPU"])
+def test_resource_name_rule_and_its_cel_twin_agree(name: str) -> None:
+    model_ok, crd_ok = _both_accept(_pt({"resources": {"limits": {name: 1}}}))
+    assert model_ok == crd_ok
 
 
 def test_crd_admission_ratchets_unchanged_invalid_fields() -> None:

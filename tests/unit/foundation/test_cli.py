@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -74,7 +75,11 @@ def test_every_command_has_its_own_help_documenting_each_argument() -> None:
     ("validate",),
     ("nosuchcommand",),
     ("run", str(TINY), "--steps", "0"),
+    ("run", str(TINY), "--steps", "1000001"),  # spec.algorithm.steps' own bound
     ("operator", "--metrics-port", "70000"),
+    ("operator", "--poll-interval", "0"),
+    ("operator", "--poll-interval", "nan"),
+    ("validate", "-", "-"),
     ("operator", "--default-job-image", "not an image"),
     ("bench", "sync", "--repeats", "0"),
     ("simulate",),
@@ -114,6 +119,58 @@ def test_validate_reads_stdin_directories_lists_and_skips_other_kinds(tmp_path: 
         f"{tmp_path / 'd' / 'broken.yaml'}: invalid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>'",
         f"{tmp_path / 'd' / 'service.yaml'}: no RLJob found (skipped Service/web)",
         f"{tmp_path / 'empty'}: no RLJob in any *.yaml, *.yml or *.json file here"])
+
+
+def test_validate_with_standard_input_closed_is_a_problem_not_a_traceback() -> None:
+    proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "validate", "-", str(TINY)], stdin=None,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+                          preexec_fn=lambda: os.close(0))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stdout == "<stdin>: cannot read file: standard input is closed\n"
+    assert "1 RLJob(s) valid" in proc.stderr
+
+
+def _checkpoint(root: Path, config: str | None = None) -> Path:
+    """A checkpoint folder as the trainer writes it, with a policy/ that transformers cannot load."""
+    ckpt = root / "step-000001"
+    (ckpt / "policy").mkdir(parents=True)
+    (ckpt / "trainer.pt").write_bytes(b"")
+    (ckpt / "policy" / "README").write_text("no weights\n")
+    if config is not None:
+        (ckpt / "policy" / "config.json").write_text(config)
+    return ckpt
+
+
+@pytest.mark.parametrize(("summary", "expected"), [
+    ("not json", "summary.json: invalid JSON at line 1, column 1: Expecting value"),
+    ("[1]", "summary.json: expected a JSON object (a run's summary), got list"),
+    ('{"checkpoint_dir": 5}', "summary.json: checkpoint_dir: must be a valid string"),
+])
+def test_export_bad_run_summary_names_the_file(tmp_path: Path, summary: str, expected: str) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(summary)
+    proc = _specrl("export", str(run), str(tmp_path / "out"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr == f"specrl export: {run / expected}\n"
+
+
+@pytest.mark.parametrize("out", ["afile", "afile/sub"])
+def test_export_to_a_file_is_one_line(tmp_path: Path, out: str) -> None:
+    (tmp_path / "afile").write_text("x")
+    proc = _specrl("export", str(_checkpoint(tmp_path / "ck")), out, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr == ("specrl export: afile: exists and is not a directory\n" if out == "afile" else
+                           "specrl export: afile/sub: afile is not a directory\n")
+
+
+def test_export_dtype_failure_names_the_checkpoint_and_leaves_nothing(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path / "ck", config="{}")
+    proc = _specrl("export", str(ckpt), "out", "--dtype", "bfloat16", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"specrl export: {ckpt / 'policy'}: cannot load the policy to cast it to bfloat16: ")
+    assert "export-tmp" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no out/, no out.export-tmp/
 
 
 def _doc(text: str) -> dict:

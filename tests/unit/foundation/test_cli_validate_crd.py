@@ -80,6 +80,12 @@ def test_validate_reports_each_problem_on_its_own_line(tmp_path: Path, capsys: p
     ("---\n- 1\n---\napiVersion: v2\nkind: RLJob\n", "<document 1>: <document>: expected a mapping"),
     ("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: j}\nspec:\n  mode: sync\n  mode: async\n",
      "invalid YAML at line 6, column 3: duplicate key 'mode'"),
+    ("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: j}\n? [x, y]\n: 1\n",
+     "in.yaml: invalid YAML at line 4, column 3: found unhashable key"),
+    ("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: j}\n? {x: 1}\n: 1\n",
+     "in.yaml: invalid YAML at line 4, column 3: found unhashable key"),
+    ("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: j}\nspec: {algorithm: {steps: " + "9" * 5000 + "}}\n",
+     "in.yaml: invalid YAML at line 4, column 27: integer too large"),
 ])
 def test_validate_bad_input_is_a_problem_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                          content: str, expected: str) -> None:
@@ -88,6 +94,44 @@ def test_validate_bad_input_is_a_problem_not_a_traceback(tmp_path: Path, capsys:
     code, lines = _run_validate(capsys, f)
     assert code == 1
     assert any(expected in line for line in lines), lines
+
+
+def test_validate_deep_nesting_is_a_problem_of_that_file_only(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: a}\nspec: {model: "
+                    + "[" * 5000 + "]" * 5000 + "}\n")
+    good = tmp_path / "good.yaml"
+    good.write_text(EXAMPLES[0].read_text())
+    code = validate_main(argparse.Namespace(files=[str(deep), str(good)], output="json"))
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert [(p["source"], p["message"]) for p in report["problems"]] == \
+        [(str(deep), "invalid YAML at line 4, column 113: nested more than 100 levels deep")]
+    assert [v["source"] for v in report["valid"]] == [str(good)]
+
+
+def test_validate_json_output_survives_unhashable_keys(tmp_path: Path) -> None:
+    f = tmp_path / "key.yaml"
+    f.write_text("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: a}\n? [x, y]\n: 1\n")
+    proc = _specrl("validate", "-o", "json", str(f))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout)["problems"][0]["message"] == "invalid YAML at line 4, column 3: found unhashable key"
+
+
+def test_validate_messages_echo_a_short_form_of_huge_values(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Five anchors expand to 10^5 strings: the message names the field and the value's shape, not the value.
+    f = tmp_path / "lol.yaml"
+    f.write_text("apiVersion: specrl.io/v1alpha1\nkind: RLJob\nmetadata: {name: lol}\nx:\n"
+                 "  a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+                 + "".join(f"  {n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcd", "bcde"))
+                 + "spec:\n  algorithm: {steps: *e}\n  suspend: " + "x" * 500 + "\n")
+    code, lines = _run_validate(capsys, f)
+    assert code == 1
+    assert f"{f}: lol: spec.algorithm.steps: must be a valid integer (got a list of 10 items)" in lines
+    suspend = next(line for line in lines if ": spec.suspend: " in line)
+    assert suspend.endswith(f"(got str '{'x' * 76}...)")
+    assert all(len(line) < 300 for line in lines), [len(line) for line in lines]
 
 
 def test_validate_unreadable_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -131,6 +131,16 @@ def test_rbac_rules_cover_every_write_the_operator_makes():
     assert {"patch"} <= verbs[("specrl.io", "rljobs/status")]
 
 
+def test_rbac_lets_children_block_their_owners_deletion():
+    # Under OwnerReferencesPermissionEnforcement (OpenShift's default) an ownerReference with
+    # blockOwnerDeletion is admitted only from who may update the owner's finalizers; else every create is a 422.
+    from specrl.operator.children import Owner
+
+    assert Owner("job", "ns", "uid").reference()["blockOwnerDeletion"] is True
+    verbs = {(g, r): set(rule["verbs"]) for rule in RBAC_RULES for g in rule["apiGroups"] for r in rule["resources"]}
+    assert "update" in verbs.get(("specrl.io", "rljobs/finalizers"), set())
+
+
 def test_operator_imports_no_torch():
     code = ("import sys, specrl.operator.main, specrl.operator.handlers; "
             "bad = [m for m in ('torch', 'transformers', 'ray') if m in sys.modules]; print(bad); assert not bad")

@@ -1,5 +1,6 @@
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -79,8 +80,12 @@ def test_extract_answer():
 def test_jsonl_missing_file(tmp_path):
     with pytest.raises(DatasetError, match="does not exist"):
         load_jsonl(tmp_path / "nope.jsonl")
-    with pytest.raises(DatasetError, match="not a file"):
+    with pytest.raises(DatasetError, match="is a directory"):
         load_jsonl(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(DatasetError, match="is not a file"):
+        load_jsonl(fifo)
 
 
 def test_jsonl_gsm8k_and_malformed_lines_counted(tmp_path, caplog):

@@ -173,6 +173,82 @@ def test_cli_json_and_bad_input(tmp_path) -> None:
     assert proc.returncode == 2 and "unknown preset" in proc.stderr
 
 
+def _simulate_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "simulate", *args], check=False,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("model: NoSuch-7B\n", "model: unknown model 'NoSuch-7B'; known: "),
+    ("speculative: {drafter: draft_model, draft_model: NoSuch-0.1B}\n", "speculative.draft_model: unknown model"),
+    ("cluster: {gpu: Z9000}\n", "cluster.gpu: unknown GPU 'Z9000'"),
+    ("workload: {response: {distribution: empirical}}\n",
+     "workload.response.lengths: distribution empirical needs lengths or metrics_file"),
+    ("workload: {response: {distribution: empirical, metrics_file: /nonexistent/m.jsonl}}\n",
+     "workload.response.metrics_file: cannot read '/nonexistent/m.jsonl': No such file or directory"),
+    ("workload: {response: {distribution: empirical, metrics_file: METRICS}}\n",
+     "workload.response.metrics_file: METRICS:1: not JSON (Expecting value)"),
+    ("speculative: {acceptance: {per_position: [1.5, -0.1]}}\n",
+     "speculative.acceptance.per_position[0]: must be less than or equal to 1"),
+    ("workload: {response: {min: 2000, max: 1000}}\n", "workload.response.min: must be <= max (1000), got 2000"),
+    ("workload: {length_growth_per_step: -0.5}\n", "workload.length_growth_per_step: must be greater than or equal to 0"),
+    ("speculative: {gamma_choices: []}\n", "speculative.gamma_choices: must have at least 1 item"),
+    ("speculative: {gamma_choices: [2, 0]}\n", "speculative.gamma_choices[1]: must be greater than or equal to 1"),
+    ("workload: {response: {distribution: empirical, lengths: [5, 0]}}\n",
+     "workload.response.lengths[1]: must be greater than or equal to 1"),
+    ("workload: {steps: 100000000}\n", "workload.steps: must be less than or equal to 10000"),
+    ("cluster: {gpus: 1000000000}\n", "cluster.gpus: must be less than or equal to 65536"),
+    ("training: {fixed_overhead_s: .inf}\n", "training.fixed_overhead_s: must be a finite number"),
+    ("cluster: {gpus: 8}\ncluster: {gpus: 16}\n", "invalid YAML at line 2, column 1: duplicate key 'cluster'"),
+    ("description: " + "[" * 500 + "]" * 500 + "\n", "nested more than 100 levels deep"),
+    ("foo: 1\n", "foo: unknown field"),
+])
+def test_bad_scenarios_are_one_line_naming_the_field(tmp_path, content: str, expected: str) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("not json\n")
+    scen = tmp_path / "s.yaml"
+    scen.write_text(content.replace("METRICS", str(metrics)))
+    with pytest.raises(ValueError) as info:
+        load_scenario(scen)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(f"{scen}: ") and expected.replace("METRICS", str(metrics)) in first, first
+
+
+def test_scenario_that_is_not_utf8_names_the_file(tmp_path) -> None:
+    scen = tmp_path / "s.yaml"
+    scen.write_bytes(b"cluster: {gpu: \"\xff\"}\n")
+    proc = _simulate_cli(str(scen))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"specrl simulate: {scen}: cannot read: not UTF-8 text")
+
+
+@pytest.mark.parametrize("where", ["dir", "missing", "under_file"])
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_unwritable_outputs_fail_before_simulating(tmp_path, option: str, where: str) -> None:
+    (tmp_path / "afile").write_text("x")
+    target = {"dir": tmp_path, "missing": tmp_path / "no" / "r.out", "under_file": tmp_path / "afile" / "r.out"}[where]
+    proc = _simulate_cli("--preset", "tlt-7b", option, str(target))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # nothing simulated, nothing printed
+    assert proc.stderr.startswith(f"specrl simulate: {option}: ") and len(proc.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("[1,2]", "expected a JSON object (what `specrl bench rollout --json` writes), got list"),
+    ("null", "got null"),
+    ('{"workload": []}', "workload: must be a valid dictionary"),
+    ("{}", "workload: required field is missing; calibration: required field is missing"),
+    ("{oops", "invalid JSON at line 1, column 2"),
+])
+def test_from_bench_bad_files_name_the_file_and_field(tmp_path, content: str, expected: str) -> None:
+    bench = tmp_path / "b.json"
+    bench.write_text(content)
+    proc = _simulate_cli("--from-bench", str(bench))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"specrl simulate: --from-bench: {bench}: ") and expected in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1
+
+
 def _bench(lengths: list[int]) -> dict:
     """A bench JSON in the shape `specrl bench rollout --json` writes (calibration in target-step units)."""
     return {
