@@ -138,7 +138,8 @@ class _Held:
     label: str
     speculative: bool
     seconds: float  # what a step of `decision` was predicted to cost
-    # plain decoding on a settled table keeps only the first record of each visit (module docstring); `kept`: it has
+    # `sparse`: plain decoding on a settled table, which keeps only a visit's first record (module docstring);
+    # `kept`: this visit's is kept
     sparse: bool = False
     kept: bool = False
 
@@ -519,7 +520,7 @@ class AdaptiveController:
         counts = self._counts.get(batch)
         if counts is None:
             counts = self._counts[batch] = Counter()
-        # in place: a new hold at every batch size the tail visits cost more than the step's own bookkeeping
+        # in place: the tail visits a new batch size every step or two, and this runs inside the decode loop
         held.batch, held.until, held.key, held.table, held.counts = batch, until, key, table, counts
         held.seconds, held.sparse, held.kept = table.plain_seconds, True, False
         return held
