@@ -27,7 +27,7 @@ RUN useradd --uid 1000 --user-group --create-home --home-dir /home/specrl --shel
 COPY --from=build /wheels /wheels
 # vLLM pins the CUDA torch it was built against; installing both extras in one resolve keeps them consistent.
 RUN pip install --no-cache-dir "$(ls /wheels/specrl-*.whl)[${EXTRAS}]" && rm -rf /wheels
-ENV PYTHONUNBUFFERED=1 HOME=/home/specrl SPECRL_CACHE_DIR=/var/cache/specrl HF_HOME=/var/cache/specrl/hf
+ENV PYTHONUNBUFFERED=1 HOME=/home/specrl SPECRL_CACHE_DIR=/var/cache/specrl HF_HOME=/var/cache/specrl/huggingface
 USER 1000:1000
 WORKDIR /home/specrl
 # coordinator HTTP (/status, /drain, /metrics), Ray GCS, worker metrics, torch.distributed rendezvous

@@ -8,6 +8,7 @@ Exit codes, the same for every subcommand (as kubectl and helm do):
   0  success
   1  failure: invalid input (an RLJob, a scenario, a file that cannot be read), a failed run, a missing extra
   2  usage error: the command line itself is wrong (unknown option, bad value, conflicting options)
+  130 interrupted (Ctrl-C); a worker pod stopped by SIGTERM in the middle of a job exits 143 (128 + SIGTERM)
 
 Adding a subcommand: a parser block in `build_parser` and one entry in `HANDLERS` (plus `RUNTIME_COMMANDS` when
 it needs torch).
@@ -24,7 +25,7 @@ from collections.abc import Callable
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
-EXIT_CODES = "exit codes: 0 success, 1 failure (invalid input, failed run), 2 usage error"
+EXIT_CODES = "exit codes: 0 success, 1 failure (invalid input, failed run), 2 usage error, 130 interrupted (Ctrl-C)"
 
 # subcommand -> "module:function"; the function takes the parsed argparse.Namespace and returns an exit code.
 HANDLERS: dict[str, str] = {
@@ -133,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "find in one pass (field types and bounds, unknown fields, cross-field rules of every part whose\n"
                  "own fields are valid). Reads files, directories (*.yaml, *.yml, *.json inside, recursively) and\n"
                  "- (standard input). Multi-document files and `kubectl get -o yaml` Lists are read; documents of\n"
-                 "other kinds (a Service beside the job) are skipped with a note, and so are a directory's files\n"
-                 "without any RLJob (a file named on the command line must hold one). Invalid RLJobs exit 1.")
+                 "another kind (a Service beside the job) are skipped with a note, and so are a directory's files\n"
+                 "holding only such documents (a file named on the command line, and a directory, must hold an\n"
+                 "RLJob; a document without a kind is read as a broken RLJob). Invalid RLJobs exit 1.")
     p.add_argument("files", nargs="+", metavar="FILE", help="YAML file, directory, or - for standard input")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text",
                    help="text: one line per problem (default); json: one JSON object on stdout")
