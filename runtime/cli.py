@@ -22,6 +22,7 @@ import importlib.util
 import math
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -57,12 +58,20 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+N = TypeVar("N", int, float)
+
+
+def _number(text: str, cast: Callable[[str], N], kind: str) -> N:
+    """`text` as an int or float; anything else is a usage error naming what was expected."""
+    try:
+        return cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a bad value is a usage error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    value = _number(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -86,10 +95,7 @@ def job_steps(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (nan, inf, 0 and negatives are usage errors)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    value = _number(text, float, "a number")
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
@@ -97,10 +103,7 @@ def positive_float(text: str) -> float:
 
 def port(text: str) -> int:
     """argparse type: a TCP port, 0 meaning off."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    value = _number(text, int, "an integer")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port in 0..65535, got {value}")
     return value

@@ -72,12 +72,12 @@ def load_settings(path: str, steps: int | None = None) -> tuple[Any, RunSettings
 
 def out_dir_problem(out_dir: Path) -> str | None:
     """Why the output folder cannot be used, if it cannot: it, or a folder above it, is an existing file."""
-    if out_dir.exists() and not out_dir.is_dir():
-        return f"{str(out_dir)!r} exists and is not a directory"
-    for parent in out_dir.parents:
-        if parent.exists():
-            return None if parent.is_dir() else f"{str(parent)!r} is not a directory"
-    return None
+    from .paths import file_in_the_way
+
+    if (blocker := file_in_the_way(out_dir)) is None:
+        return None
+    return f"{str(out_dir)!r} exists and is not a directory" if blocker == out_dir else \
+        f"{str(blocker)!r} is not a directory"
 
 
 def check_settings(settings: RunSettings, source: str = "<job>", name: str = "") -> RunSettings:
@@ -240,8 +240,7 @@ def run_job(settings: RunSettings, out_dir: Path, *, progress: bool = True, meas
                         break
                 rec = ray.get(ref)
                 records.append(rec)
-                mf.write(json.dumps({k: v for k, v in rec.items() if k != "response_lengths"} |
-                                    {"response_length_mean": _mean(rec["response_lengths"])}) + "\n")
+                mf.write(metrics_line(rec))
                 mf.flush()
                 display.add_step(rec)
         ray.get(coord.finish.remote())
@@ -267,6 +266,13 @@ def run_job(settings: RunSettings, out_dir: Path, *, progress: bool = True, meas
             log.debug("coordinator shutdown: %s", exc)
         ray.kill(coord)
     return summary
+
+
+def metrics_line(record: dict[str, Any]) -> str:
+    """One step's line of metrics.jsonl: the coordinator's step record plus its mean response length. The lengths
+    themselves stay: `specrl simulate` takes a job's empirical lengths from them (`workload.response.metrics_file`),
+    and without them that option could never read a real run's file."""
+    return json.dumps(record | {"response_length_mean": _mean(record["response_lengths"])}) + "\n"
 
 
 def _mean(xs: list[float]) -> float:

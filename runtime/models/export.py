@@ -53,15 +53,12 @@ def summary_checkpoint_dir(summary: Path) -> str | None:
 def out_problem(out: Path) -> str | None:
     """Why OUT_DIR cannot be written, checked before any copy: it, or a folder above it, is a file, or it holds
     something already (export never overwrites)."""
-    if out.exists():
-        if not out.is_dir():
-            return f"{out}: exists and is not a directory"
-        if any(out.iterdir()):
-            return f"{out}: output folder exists and is not empty"
-        return None
-    for parent in out.parents:
-        if parent.exists():
-            return None if parent.is_dir() else f"{out}: {parent} is not a directory"
+    from ..paths import file_in_the_way
+
+    if (blocker := file_in_the_way(out)) is not None:
+        return f"{out}: exists and is not a directory" if blocker == out else f"{out}: {blocker} is not a directory"
+    if out.exists() and any(out.iterdir()):
+        return f"{out}: output folder exists and is not empty"
     return None
 
 

@@ -32,6 +32,11 @@ def _pt(template: dict[str, Any]) -> dict[str, Any]:
     return _doc({"resources": {"podTemplate": template}})
 
 
+def _mount_at(path: str) -> dict[str, Any]:
+    """A job whose pods mount one emptyDir volume at `path`."""
+    return _pt({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": path}]})
+
+
 # (id, document, expected pydantic path, message fragment, CRD path: SAME | str | None)
 CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
     # --- metadata and identity
@@ -188,22 +193,18 @@ CASES: list[tuple[str, dict[str, Any], str, str, Any]] = [
                                              "coordinator": {"podTemplate": {"volumes": [{"name": "a", "emptyDir": {}}]}},
                                              "trainer": {"podTemplate": {"volumes": [{"name": "a", "emptyDir": {}}]}}}}),
      "spec.resources.podTemplate.volumeMounts[0].name", "in the rollout pods", None),
-    ("mount-relative", _pt({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "data"}]}),
+    ("mount-relative", _mount_at("data"),
      "spec.resources.podTemplate.volumeMounts[0].mountPath", "should match pattern", SAME),
-    ("mount-reserved-path", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
-                                 "volumeMounts": [{"name": "a", "mountPath": "/etc/specrl"}]}),
+    ("mount-reserved-path", _mount_at("/etc/specrl"),
      "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
      "spec.resources.podTemplate.volumeMounts"),
-    ("mount-reserved-trailing-slash", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
-                                           "volumeMounts": [{"name": "a", "mountPath": "/etc/specrl/"}]}),
+    ("mount-reserved-trailing-slash", _mount_at("/etc/specrl/"),
      "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
      "spec.resources.podTemplate.volumeMounts"),
-    ("mount-reserved-ancestor", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
-                                     "volumeMounts": [{"name": "a", "mountPath": "/dev"}]}),
+    ("mount-reserved-ancestor", _mount_at("/dev"),
      "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
      "spec.resources.podTemplate.volumeMounts"),
-    ("mount-reserved-inside", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
-                                   "volumeMounts": [{"name": "a", "mountPath": "/dev/shm/x"}]}),
+    ("mount-reserved-inside", _mount_at("/dev/shm/x"),
      "spec.resources.podTemplate.volumeMounts[0].mountPath", "overlaps the operator's mounts",
      "spec.resources.podTemplate.volumeMounts"),
     ("mount-duplicate-path", _pt({"volumes": [{"name": "a", "emptyDir": {}}],
@@ -497,7 +498,7 @@ def _both_accept(doc: dict[str, Any]) -> tuple[bool, bool]:
     "/etc/specrl", "/etc/specrl/", "/etc/specrl//", "/etc/specrl/x", "/etc", "/etc/", "/etc//", "/dev", "/dev/shm/",
     "/dev/shm/a/b", "/dev/shmx", "/etc/specrl2", "/etc/spec", "/e", "//", "/data", "/devices"])
 def test_mount_overlap_rule_and_its_cel_twin_agree(mount_path: str) -> None:
-    doc = _pt({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": mount_path}]})
+    doc = _mount_at(mount_path)
     model_ok, crd_ok = _both_accept(doc)
     assert model_ok == crd_ok
 
