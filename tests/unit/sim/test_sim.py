@@ -15,7 +15,7 @@ from specrl.runtime.sim.rl_sim import alpha_at, simulate
 from specrl.runtime.sim.rollout_sim import simulate_instance
 from specrl.runtime.sim.scenario import Scenario, list_presets, load_scenario
 from specrl.runtime.sim.speculation import SpeculationPolicy
-from specrl.runtime.sim.workload import step_lengths
+from specrl.runtime.sim.workload import empirical_lengths, step_lengths
 
 
 def scenario(**kw) -> Scenario:
@@ -212,6 +212,19 @@ def test_bad_scenarios_are_one_line_naming_the_field(tmp_path, content: str, exp
         load_scenario(scen)
     first = str(info.value).splitlines()[0]
     assert first.startswith(f"{scen}: ") and expected.replace("METRICS", str(metrics)) in first, first
+
+
+def test_empirical_lengths_come_from_the_metrics_file_a_run_writes(tmp_path) -> None:
+    # `specrl run` writes metrics.jsonl with `local.metrics_line`; it once dropped the lengths, so a real run's file
+    # always failed with "no response_lengths in any line".
+    from specrl.runtime.local import metrics_line
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(metrics_line({"step": 0, "response_lengths": [12, 40]}) +
+                       metrics_line({"step": 1, "response_lengths": [7]}))
+    scen = tmp_path / "s.yaml"
+    scen.write_text(f"workload: {{response: {{distribution: empirical, metrics_file: {metrics}}}}}\n")
+    assert empirical_lengths(load_scenario(scen).workload.response) == [12, 40, 7]
 
 
 def test_scenario_that_is_not_utf8_names_the_file(tmp_path) -> None:
