@@ -11,10 +11,11 @@ runs in seconds, not a measurement.
 
 Everything runs in one process, repeat r running every configuration once before repeat r+1, and medians are
 reported. The long-tail workload, the serving shape and the sweep run their configurations **in lockstep**
-(`lockstep.py`): each on an engine of its own, one decode step each in turn, so every configuration is timed in
-the same seconds of a shared machine whose speed drifts by ±20% over seconds (measured: the same run with the same
-seeds repeated at 312–475 tokens per CPU-second; two copies of it in lockstep kept their ratio within 2%).
-Absolute numbers stay noisy; side-by-side ratios are what the benchmark measures.
+(`lockstep.py`): each on an engine of its own, `LOCKSTEP_SLICE_S` of decode steps each in turn, so every
+configuration is timed in the same seconds of a shared machine whose speed drifts by ±20% over seconds (measured:
+the same run with the same seeds repeated at 312–475 tokens per CPU-second; two copies of it in lockstep read
+0.976–1.032 of each other), with caches as warm as in a run alone but for a slice's first step. Absolute numbers stay
+noisy; side-by-side ratios are what the benchmark measures.
 
 Measured: per configuration tokens/s, mean acceptance length, target decode forwards per generated token,
 speedup vs the engine's own AR, wall time of the last 10% of sequences (the tail); the adaptive controller on
@@ -69,6 +70,10 @@ ROLLOUT_STEP = BATCH
 # The controller measures step costs in CPU time here: the benchmark runs on a shared CPU machine (see
 # adaptive.StepClock); the reported tokens/s are wall-clock.
 CLOCK = "cpu"
+# The lockstep's turns (`lockstep.py`, "why slices"): at one step each, every step ran in caches another engine had
+# filled, which priced plain decoding further below its rate alone than speculation (draft_model γ=2 vs plain at
+# batch 8: 0.96x alone, 1.14x at one step each, 1.03x in 30 ms slices).
+LOCKSTEP_SLICE_S = 0.05
 # The engine runs in bfloat16 where the CPU has native bf16 kernels (float32 elsewhere); the lossless checks run
 # in float32, against the exact float32 law.
 ENGINE_DTYPE = "auto"
@@ -657,9 +662,9 @@ def side_by_side(engines: Mapping[str, RolloutEngine], controllers: Mapping[str,
                  step_size: int | None = None,
                  own_params: Mapping[str, list[SamplingParams]] | None = None) -> dict[str, RunResult]:
     """`run_engine` for every configuration of `controllers` (name -> controller) on `engines[name]`, in lockstep
-    (`lockstep.run_lockstep`): one decode step each in turn, in the ring `lockstep.ring_order` makes for repeat
-    `rotate` (no configuration always steps right after the same one: what stepped before leaves the caches colder
-    for some than for others).
+    (`lockstep.run_lockstep`): `LOCKSTEP_SLICE_S` of decode steps each in turn, in the ring `lockstep.ring_order`
+    makes for repeat `rotate` (no configuration always steps right after the same one: what stepped before leaves a
+    slice's first step colder for some than for others).
     `own_params`: sampling parameters of their own for some configurations (others get `params`)."""
     names = list(controllers)
     names = ring_order(names, rotate)
@@ -668,7 +673,7 @@ def side_by_side(engines: Mapping[str, RolloutEngine], controllers: Mapping[str,
     jobs = [functools.partial(run_engine, engines[n], controllers[n], prompts, own.get(n, params), max_batch,
                               step_size) for n in names]
     with _collector_off():
-        return dict(zip(names, run_lockstep(jobs)))
+        return dict(zip(names, run_lockstep(jobs, LOCKSTEP_SLICE_S)))
 
 
 def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]) -> dict[str, Any]:

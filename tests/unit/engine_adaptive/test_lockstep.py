@@ -1,5 +1,5 @@
-"""Lockstep runs (`runtime/bench/lockstep.py`): one step each in turn, only one running at a time, each run's time
-its own."""
+"""Lockstep runs (`runtime/bench/lockstep.py`): one step (or a slice of steps) each in turn, only one running at a
+time, each run's time its own."""
 
 from __future__ import annotations
 
@@ -85,6 +85,38 @@ def test_ring_skips_a_member_that_left() -> None:
         t.join(timeout=10)
     assert not any(t.is_alive() for t in threads)
     assert order == [0, 1, 2, 0, 2, 0, 2]
+
+
+def test_a_member_keeps_the_turn_until_its_slice_is_spent() -> None:
+    # a clock that only the member holding the turn moves, one unit a step: slices of 3 units are 3 steps
+    now = [0.0]
+    ring = Ring(2, slice_s=3.0, clock=lambda: now[0])
+    order: list[int] = []
+
+    def member(i: int, steps: int) -> None:
+        ring.wait(i)
+        for _ in range(steps):
+            order.append(i)
+            now[0] += 1.0
+            ring.pass_on(i)
+        ring.leave(i)
+
+    threads = [threading.Thread(target=member, args=(i, n)) for i, n in enumerate((7, 4))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert not any(t.is_alive() for t in threads)
+    assert order == [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 0]
+
+
+def test_jobs_whose_slice_outlasts_them_run_one_after_another() -> None:
+    log: list[tuple[int, int]] = []
+    running = [0]
+    run_lockstep([_stepper(n, log, i, running) for i, n in enumerate((3, 2, 4))], slice_s=600.0)
+    assert log == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2), (2, 3)]
+    with pytest.raises(ValueError, match="slice_s"):
+        Ring(2, slice_s=-1.0)
 
 
 def test_runs_in_lockstep_decode_what_they_decode_alone_and_time_only_their_own_steps() -> None:
