@@ -858,6 +858,7 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
         "repeats": plan.repeats,
         "note": ("Medians of repeats in one process on a shared machine, the compared configurations in lockstep "
                  "(long tail, serving shape, sweep): absolute numbers are noisy; compare ratios."),
+        "lockstep_slice_s": LOCKSTEP_SLICE_S,
         "machine": machine_info(engine, load_start),
         "model": models.info,
         "workload": {"prompts": len(prompts), "batch_size": BATCH, "rollout_step": ROLLOUT_STEP,

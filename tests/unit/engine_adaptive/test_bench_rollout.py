@@ -54,6 +54,7 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     m = r["machine"]
     assert m["threads"] >= 1 and m["engine_dtype"].startswith("torch.") and "load_average_end" in m
     assert len(r["model"]["digest"]) == 16 and r["model"]["digest"] != r["model"]["draft_digest"]
+    assert r["lockstep_slice_s"] == 0.05  # the lockstep's turns (`lockstep.py`, "why slices")
     assert r["workload"]["rollout_step"] == 16 and 0 <= r["workload"]["ar_tail_share"] <= 1
     assert r["serving"]["ar_tokens_per_s"] > 0 and r["serving"]["adaptive_vs_ar"]["ratio"] > 0
     lengths = r["workload"]["response_length"]
