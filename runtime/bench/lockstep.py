@@ -25,8 +25,9 @@ L3, 28 GB/s), the bench models, five or six fixed configurations, three or four 
 | the long-tail workload | 1.10, 1.15 | 1.17, 1.21 | | 1.14 | 1.09 | 1.09 |
 
 Turning at every step, the benchmark priced speculation up to a fifth above its rate in an engine decoding alone,
-which is how a rollout worker decodes. With 50 ms slices a slice's first step is the only cold one, the ratios are
-those of runs alone, and the ring still turns in well under a second; the same configuration twice in the ring
+which is how a rollout worker decodes. With 50 ms slices a slice's first step is the only cold one, the ratios
+come near what runs alone measured (the whole workload at 1.09, against 1.10 and 1.15 alone and 1.17 and 1.21 at
+one step each; slightly below alone, within the runs' spread), and the ring still turns in well under a second; the same configuration twice in the ring
 (the same texts) read 0.976–1.032 of itself over four repeats (one step each: 0.971–1.096; alone: 0.996–1.131).
 
 How cold a slice's first step is depends on who stepped just before: measured on the same machine kind with a

@@ -70,9 +70,8 @@ ROLLOUT_STEP = BATCH
 # The controller measures step costs in CPU time here: the benchmark runs on a shared CPU machine (see
 # adaptive.StepClock); the reported tokens/s are wall-clock.
 CLOCK = "cpu"
-# The lockstep's turns (`lockstep.py`, "why slices"): at one step each, every step ran in caches another engine had
-# filled, which priced plain decoding further below its rate alone than speculation (draft_model γ=2 vs plain at
-# batch 8: 0.96x alone, 1.14x at one step each, 1.03x in 30 ms slices).
+# The lockstep's turns: at one step each, every step ran in caches another engine had filled, which cost plain
+# decoding more than speculation (measured in `lockstep.py`, "why slices").
 LOCKSTEP_SLICE_S = 0.05
 # The engine runs in bfloat16 where the CPU has native bf16 kernels (float32 elsewhere); the lossless checks run
 # in float32, against the exact float32 law.
