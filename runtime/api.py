@@ -964,7 +964,16 @@ def _is_foreign(doc: Any) -> bool:
     return doc["kind"] != KIND and not doc["apiVersion"].startswith(f"{GROUP}/")
 
 
-def _describe(doc: dict[str, Any]) -> str:
+def _is_not_an_object(doc: Any) -> bool:
+    """Not a Kubernetes object at all: no kind, and neither metadata nor spec (a chart's values.yaml, a JSON list
+    of prompts). Skipped among a directory's files; a file named on its own is still read as a broken RLJob, and so
+    is a kind-less document with metadata or spec (an RLJob whose kind was forgotten)."""
+    return not isinstance(doc, dict) or not ({"kind", "metadata", "spec"} & doc.keys())
+
+
+def _describe(doc: Any) -> str:
+    if _is_not_an_object(doc):
+        return "a document without kind"
     meta = doc.get("metadata")
     name = meta.get("name") if isinstance(meta, dict) else None
     return f"{doc['kind']}/{name}" if name else str(doc["kind"])
@@ -982,14 +991,19 @@ def _expand_lists(docs: list[Any]) -> list[Any]:
     return out
 
 
-def check_text(text: str, source: str) -> FileCheck:
-    """Parse and validate every RLJob in a YAML stream; never raises."""
+def check_text(text: str, source: str, *, among_others: bool = False) -> FileCheck:
+    """Parse and validate every RLJob in a YAML stream; never raises. `among_others`: the stream is one of a
+    directory's files, where documents that are no Kubernetes object at all are skipped too."""
     try:
         docs = _expand_lists(load_yaml_documents(text))
     except yaml.YAMLError as exc:
         return FileCheck([], [Problem(source, "", "", yaml_error_message(exc))], [])
-    skipped = [_describe(d) for d in docs if _is_foreign(d)]
-    ours = [(i, d) for i, d in enumerate(docs) if not _is_foreign(d)]
+
+    def other(doc: Any) -> bool:
+        return _is_foreign(doc) or (among_others and _is_not_an_object(doc))
+
+    skipped = [_describe(d) for d in docs if other(d)]
+    ours = [(i, d) for i, d in enumerate(docs) if not other(d)]
     if not ours:
         other = f" (skipped {', '.join(skipped)})" if skipped else " (the file is empty)"
         return FileCheck([], [Problem(source, "", "", f"no RLJob found{other}")], skipped, none_found=True)

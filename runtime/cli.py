@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "- (standard input). Multi-document files and `kubectl get -o yaml` Lists are read; documents of\n"
                  "another kind (a Service beside the job) are skipped with a note, and so are a directory's files\n"
                  "holding only such documents (a file named on the command line, and a directory, must hold an\n"
-                 "RLJob; a document without a kind is read as a broken RLJob). Invalid RLJobs exit 1.")
+                 "RLJob). A document without a kind is read as a broken RLJob, except in a directory's files when\n"
+                 "it has neither metadata nor spec (a chart's values.yaml): that is skipped. Invalid RLJobs exit 1.")
     p.add_argument("files", nargs="+", metavar="FILE", help="YAML file, directory, or - for standard input")
     p.add_argument("-o", "--output", choices=("text", "json"), default="text",
                    help="text: one line per problem (default); json: one JSON object on stdout")

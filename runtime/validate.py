@@ -60,7 +60,7 @@ def validate(args: list[str]) -> Report:
             except (OSError, UnicodeDecodeError) as exc:
                 report.problems.append(read_problem(name, exc))
                 continue
-            found = check_text(text, name)
+            found = check_text(text, name, among_others=directory)
             rljob_files += not found.none_found
             report.valid += [{"source": name, "name": job.metadata.name} for job in found.jobs]
             report.skipped += [{"source": name, "object": what} for what in found.skipped]

@@ -121,6 +121,30 @@ def test_validate_reads_stdin_directories_lists_and_skips_other_kinds(tmp_path: 
         f"{tmp_path / 'empty'}: no RLJob in any *.yaml, *.yml or *.json file here"])
 
 
+def test_validate_skips_a_directorys_files_that_are_no_kubernetes_object(tmp_path: Path) -> None:
+    from specrl.runtime.validate import validate
+    job = TINY.read_text()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "job.yaml").write_text(job)
+    (tmp_path / "d" / "values.yaml").write_text("image: {repository: x}\nreplicaCount: 1\n")
+    (tmp_path / "d" / "Chart.yaml").write_text("apiVersion: v2\nname: mine\nversion: 0.1.0\n")
+    (tmp_path / "d" / "prompts.json").write_text('[{"prompt": "2+2?"}]')
+    report = validate([str(tmp_path / "d")])
+    assert report.problems == [] and len(report.valid) == 1
+    assert sorted(s["source"] for s in report.skipped) == sorted(
+        str(tmp_path / "d" / f) for f in ("Chart.yaml", "prompts.json", "values.yaml"))
+    assert {s["object"] for s in report.skipped} == {"a document without kind"}
+    # An RLJob whose kind was forgotten still has metadata and spec: a problem in a directory too. Named on the
+    # command line, a file must hold an RLJob whatever it holds.
+    forgot = "\n".join(line for line in job.splitlines() if not line.startswith("kind:"))
+    (tmp_path / "d" / "forgot.yaml").write_text(forgot)
+    report = validate([str(tmp_path / "d"), str(tmp_path / "d" / "values.yaml")])
+    found = {(p.source, p.path) for p in report.problems}
+    assert {path for source, path in found if source == str(tmp_path / "d" / "forgot.yaml")} == {"kind"}
+    assert (str(tmp_path / "d" / "values.yaml"), "kind") in found
+    assert {source for source, _ in found} == {str(tmp_path / "d" / f) for f in ("forgot.yaml", "values.yaml")}
+
+
 def test_validate_with_standard_input_closed_is_a_problem_not_a_traceback() -> None:
     proc = subprocess.run([sys.executable, "-m", "specrl.runtime.cli", "validate", "-", str(TINY)], stdin=None,
                           capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
