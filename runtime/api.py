@@ -999,11 +999,11 @@ def check_text(text: str, source: str, *, among_others: bool = False) -> FileChe
     except yaml.YAMLError as exc:
         return FileCheck([], [Problem(source, "", "", yaml_error_message(exc))], [])
 
-    def other(doc: Any) -> bool:
+    def not_ours(doc: Any) -> bool:
         return _is_foreign(doc) or (among_others and _is_not_an_object(doc))
 
-    skipped = [_describe(d) for d in docs if other(d)]
-    ours = [(i, d) for i, d in enumerate(docs) if not other(d)]
+    skipped = [_describe(d) for d in docs if not_ours(d)]
+    ours = [(i, d) for i, d in enumerate(docs) if not not_ours(d)]
     if not ours:
         other = f" (skipped {', '.join(skipped)})" if skipped else " (the file is empty)"
         return FileCheck([], [Problem(source, "", "", f"no RLJob found{other}")], skipped, none_found=True)

@@ -145,13 +145,15 @@ static inline const bf16* block_at(const bf16* Wp, int64_t j, int64_t blocks, in
   return Wp + g0 * 16 * K + (j - g0) * 32;
 }
 
-// Software prefetch distance of the weight streams (`tile`, `q4_tile`): each reads its weights as one sequential run,
-// and the hardware prefetchers alone keep too few lines in flight (they stop at 4 KB pages). SmolLM2-shaped stacks of
-// 120 matmuls streamed from memory (Zen 5 EPYC, one thread, medians of 5 rounds), ms without -> with: bf16 at 5 / 12
-// rows 8.0-8.5 / 10.5-11.6 -> 6.1-6.4 / 8.8-9.3 (so a 5-token verification's matmuls cost what one token's do; one
-// row 5.8-6.3 either way), 4-bit at 1 / 2 / 4 rows 2.3 / 3.4-3.5 / 4.6-4.8 -> 1.8-1.9 / 2.3-2.5 / 3.5-3.7. 4 KB ahead
-// did less at 5 rows, 16 KB no better.
-constexpr int64_t PREFETCH_BYTES = 8192;
+// Software prefetch distance of the weight streams (`tile`, `q4_tile`), set per CPU by `prefetch_distance` in Python
+// (0: none). Each tile reads its weights as one sequential run. On the Zen 5 EPYC the hardware prefetchers alone keep
+// too few lines in flight (they stop at 4 KB pages): SmolLM2-shaped stacks of 120 matmuls streamed from memory (one
+// thread, medians of 5 rounds), ms without -> with 8 KB ahead: bf16 at 5 / 12 rows 8.0-8.5 / 10.5-11.6 -> 6.1-6.4 /
+// 8.8-9.3 (so a 5-token verification's matmuls cost what one token's do; one row 5.8-6.3 either way), 4-bit at 1 /
+// 2 / 4 rows 2.3 / 3.4-3.5 / 4.6-4.8 -> 1.8-1.9 / 2.3-2.5 / 3.5-3.7; 4 KB ahead did less at 5 rows, 16 KB no better.
+// On the Zen 4 EPYC the same prefetches only slow the stream (see `prefetch_distance`).
+static int64_t prefetch_bytes = 8192;
+static int64_t set_prefetch(int64_t bytes) { prefetch_bytes = bytes; return prefetch_bytes; }
 
 template <int MB, int NB>
 static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0, int64_t K, int64_t N) {
@@ -163,12 +165,13 @@ static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0
   const bf16* wb[NB];
   int64_t stride[NB];
   for (int j = 0; j < NB; ++j) wb[j] = block_at(Wp, j0 + j, blocks, K, &stride[j]);
+  const int64_t ahead = NB == GROUP ? prefetch_bytes : 0;  // a narrower group's step is not one stream's lines
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wb[j] + k2 * stride[j]);
-    if (NB == GROUP)  // a whole group's step is NB adjacent lines of one stream (a narrower group's is not)
+    if (ahead)  // a whole group's step is NB adjacent lines of one stream
       for (int line = 0; line < NB; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(wb[0] + k2 * stride[0]) + PREFETCH_BYTES + line * 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wb[0] + k2 * stride[0]) + ahead + line * 64, _MM_HINT_T0);
     for (int m = 0; m < MB; ++m) {
       int32_t pair;  // (x_2k2, x_2k2+1) as one 32-bit lane
       std::memcpy(&pair, xr[m] + 2 * k2, 4);
@@ -461,12 +464,13 @@ static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, int64_t gw, int
                     int64_t N, int64_t n0) {
   const int64_t G = K / 32;
   const __m512i nib = _mm512_set1_epi8(0x0F);
+  const int64_t ahead = prefetch_bytes;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* rec = Wq + g * gw * 320;  // this group of inputs' record
-    for (int64_t o = 0; o < gw * 320; o += 64)  // the records follow each other: the stream PREFETCH_BYTES ahead
-      _mm_prefetch(reinterpret_cast<const char*>(rec) + PREFETCH_BYTES + o, _MM_HINT_T0);
+    if (ahead)  // the records follow each other: the stream `ahead` bytes on
+      for (int64_t o = 0; o < gw * 320; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec) + ahead + o, _MM_HINT_T0);
     __m512i il[MB][NB], ih[MB][NB];
     for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) il[m][j] = ih[m][j] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
@@ -903,6 +907,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend);
   m.def("linear_q4", &linear_q4);
   m.def("set_amx", &set_amx);
+  m.def("set_prefetch", &set_prefetch);
 }
 """.replace("@GROUP@", str(GROUP))
 
@@ -910,12 +915,36 @@ _lock = threading.Lock()
 _built: dict[str, Any] = {}  # extension name -> its module, or None where it did not build
 
 
-def cpu_flags() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first /proc/cpuinfo line of `field` ("flags", "vendor_id", ...), whole; "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.split(":")[0].strip() == field), "")
     except OSError:
         return ""
+
+
+def cpu_flags() -> str:
+    return _cpuinfo("flags")
+
+
+def _value(line: str) -> str:
+    return line.partition(":")[2].strip()
+
+
+def prefetch_distance(vendor: str | None = None, family: str | None = None) -> int:
+    """How far ahead (bytes) the kernels' weight streams prefetch in software on this CPU; 0: not at all.
+
+    Measured in both directions. On the Zen 5 EPYC (AMD family 26) 8 KB ahead made a 5-token verification's matmuls
+    cost what one token's do (the C++ comment above `prefetch_bytes` has the numbers). On the Zen 4 EPYC (family 25,
+    one thread, the same weights read both ways in alternating rounds) the prefetches only cost issue slots: stacks
+    of SmolLM2's matmuls streamed from memory took 10.7 / 11.0 / 21.5 ms without at 1 / 5 / 16 rows against 11.2 /
+    12.5 / 22.5 with, and in the engine plain decoding ran 1.02x / 1.06x as fast without at batch 1 / 8 and
+    quantized_self γ=4 1.16x (SmolLM2, medians of 5 paired rounds; the bench model 1.02-1.06x). CPUs not measured keep
+    Zen 5's setting."""
+    vendor = _value(_cpuinfo("vendor_id")) if vendor is None else vendor
+    family = _value(_cpuinfo("cpu family")) if family is None else family
+    return 0 if (vendor, family) == ("AuthenticAMD", "25") else 8192
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -992,6 +1021,7 @@ def load() -> Any:
     module = build_once("specrl_decode_kernels", _SOURCE, _cpu_has_avx512_bf16)
     if module is not None and _amx_active is None:
         _set_amx(module, os.environ.get("SPECRL_AMX", "1") != "0")
+        module.set_prefetch(prefetch_distance())
     return module
 
 

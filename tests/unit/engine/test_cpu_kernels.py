@@ -236,6 +236,31 @@ def test_linear_q4_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(k.linear_q4(x[:rows], *args), alone[:rows]), rows
 
 
+def test_the_prefetch_distance_is_the_one_measured_for_the_cpu() -> None:
+    assert cpu_kernels.prefetch_distance("AuthenticAMD", "25") == 0  # Zen 4: the prefetches only slowed it
+    assert cpu_kernels.prefetch_distance("AuthenticAMD", "26") == 8192  # Zen 5: they made verification cheap
+    assert cpu_kernels.prefetch_distance("GenuineIntel", "6") == 8192  # not measured: Zen 5's setting
+    assert cpu_kernels.prefetch_distance("", "") == 8192  # no /proc/cpuinfo
+
+
+@needs_kernels
+def test_prefetching_never_changes_a_product() -> None:
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(208, 256, generator=g)
+    packed, dense = cpu_kernels.pack_bf16(w.to(torch.bfloat16)), Int4Dense(w, None)
+    x = torch.randn(7, 256, generator=g).to(torch.bfloat16)
+    k = cpu_kernels.load()
+    try:
+        outs = []
+        for ahead in (0, 64, 8192):
+            k.set_prefetch(ahead)
+            outs.append((k.linear_bf16(x, packed, None, 208), k.linear_q4(x, *dense.q4_packed, None, 208)))
+        for bf16, q4 in outs[1:]:
+            assert torch.equal(bf16, outs[0][0]) and torch.equal(q4, outs[0][1])
+    finally:
+        k.set_prefetch(cpu_kernels.prefetch_distance())
+
+
 @needs_f32_kernels
 @pytest.mark.skipif(native_bf16(), reason="CPUs with native bf16 draft in bfloat16 (the test above)")
 @pytest.mark.parametrize("shape", [(96, 128), (203, 544), (70, 32)])
