@@ -937,14 +937,15 @@ def prefetch_distance(vendor: str | None = None, family: str | None = None) -> i
 
     Measured in both directions. On the Zen 5 EPYC (AMD family 26) 8 KB ahead made a 5-token verification's matmuls
     cost what one token's do (the C++ comment above `prefetch_bytes` has the numbers). On the Zen 4 EPYC (family 25,
-    one thread, the same weights read both ways in alternating rounds) the prefetches only cost issue slots: stacks
+    one thread, the same weights read both ways in alternating rounds) the prefetches mostly cost issue slots: stacks
     of SmolLM2's matmuls streamed from memory took 10.7 / 11.0 / 21.5 ms without at 1 / 5 / 16 rows against 11.2 /
     12.5 / 22.5 with. In the engine, three sets of 5-16 paired rounds: SmolLM2's plain decoding ran 1.02-1.05x as
     fast without at batch 1 and 1.06-1.07x at batch 8, quantized_self γ=4 1.16-1.20x; the bench model's speculation
     at batch 1 and 8 and plain decoding at batch 16 1.02-1.12x. The exception: the bench model's plain batch-1 steps
-    back to back (40 paired rounds) ran 0.86x without; its 55 MB of weights are under twice the 32 MiB L3. Prefetching
-    one-row tiles only lost SmolLM2's plain batch 1 its gain (not measured back to back). CPUs not measured keep Zen
-    5's setting."""
+    back to back (30-40 paired rounds) ran 0.86-0.91x without; its 55 MB of weights are under twice the 32 MiB L3.
+    Prefetching one-row tiles only would win those back (0.985x) but lose SmolLM2's plain batch 1 its gain (0.99x
+    against 1.06x): a choice by the weights' size against the L3 is left to do. CPUs not measured keep Zen 5's
+    setting."""
     vendor = _value(_cpuinfo("vendor_id")) if vendor is None else vendor
     family = _value(_cpuinfo("cpu family")) if family is None else family
     return 0 if (vendor, family) == ("AuthenticAMD", "25") else 8192
