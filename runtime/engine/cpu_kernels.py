@@ -151,9 +151,14 @@ static inline const bf16* block_at(const bf16* Wp, int64_t j, int64_t blocks, in
 // thread, medians of 5 rounds), ms without -> with 8 KB ahead: bf16 at 5 / 12 rows 8.0-8.5 / 10.5-11.6 -> 6.1-6.4 /
 // 8.8-9.3 (so a 5-token verification's matmuls cost what one token's do; one row 5.8-6.3 either way), 4-bit at 1 /
 // 2 / 4 rows 2.3 / 3.4-3.5 / 4.6-4.8 -> 1.8-1.9 / 2.3-2.5 / 3.5-3.7; 4 KB ahead did less at 5 rows, 16 KB no better.
-// On the Zen 4 EPYC the same prefetches only slow the stream (see `prefetch_distance`).
-static int64_t prefetch_bytes = 8192;
-static int64_t set_prefetch(int64_t bytes) { prefetch_bytes = bytes; return prefetch_bytes; }
+// On the Zen 4 EPYC the same prefetches slow the stream, except a one-row step's on weights not much larger than
+// the L3 (see `prefetch_distance`): hence one distance for one-row tiles and one for the rest, set per model.
+static int64_t prefetch_one_row = 8192, prefetch_rows = 8192;
+static std::vector<int64_t> set_prefetch(int64_t one_row, int64_t rows) {
+  prefetch_one_row = one_row;
+  prefetch_rows = rows;
+  return {prefetch_one_row, prefetch_rows};
+}
 
 template <int MB, int NB>
 static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0, int64_t K, int64_t N) {
@@ -165,7 +170,8 @@ static void tile(const bf16* X, const bf16* Wp, float* Y, int64_t m0, int64_t j0
   const bf16* wb[NB];
   int64_t stride[NB];
   for (int j = 0; j < NB; ++j) wb[j] = block_at(Wp, j0 + j, blocks, K, &stride[j]);
-  const int64_t ahead = NB == GROUP ? prefetch_bytes : 0;  // a narrower group's step is not one stream's lines
+  // a narrower group's step is not one stream's lines
+  const int64_t ahead = NB != GROUP ? 0 : MB == 1 ? prefetch_one_row : prefetch_rows;
   for (int64_t k2 = 0; k2 < K2; ++k2) {
     __m512bh w[NB];
     for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wb[j] + k2 * stride[j]);
@@ -464,7 +470,8 @@ static void q4_tile(const XQ& xq, int64_t m0, const uint8_t* Wq, int64_t gw, int
                     int64_t N, int64_t n0) {
   const int64_t G = K / 32;
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  const int64_t ahead = prefetch_bytes;
+  // one-row 4-bit streams too: on the Zen 4 EPYC they ran 1.25-1.27x slower with 8 KB prefetch at 1.5-2.5x the L3
+  const int64_t ahead = prefetch_rows;
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -932,23 +939,46 @@ def _value(line: str) -> str:
     return line.partition(":")[2].strip()
 
 
-def prefetch_distance(vendor: str | None = None, family: str | None = None) -> int:
-    """How far ahead (bytes) the kernels' weight streams prefetch in software on this CPU; 0: not at all.
+def l3_bytes() -> int:
+    """The size of the L3 cache the first core reads through (bytes); 0 where the OS does not say."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return 0
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    return int(digits) * scale if digits.isdigit() else 0
 
-    Measured in both directions. On the Zen 5 EPYC (AMD family 26) 8 KB ahead made a 5-token verification's matmuls
-    cost what one token's do (the C++ comment above `prefetch_bytes` has the numbers). On the Zen 4 EPYC (family 25,
-    one thread, the same weights read both ways in alternating rounds) the prefetches mostly cost issue slots: stacks
-    of SmolLM2's matmuls streamed from memory took 10.7 / 11.0 / 21.5 ms without at 1 / 5 / 16 rows against 11.2 /
-    12.5 / 22.5 with. In the engine, three sets of 5-16 paired rounds: SmolLM2's plain decoding ran 1.02-1.05x as
-    fast without at batch 1 and 1.06-1.07x at batch 8, quantized_self γ=4 1.16-1.20x; the bench model's speculation
-    at batch 1 and 8 and plain decoding at batch 16 1.02-1.12x. The exception: the bench model's plain batch-1 steps
-    back to back (30-40 paired rounds) ran 0.86-0.91x without; its 55 MB of weights are under twice the 32 MiB L3.
-    Prefetching one-row tiles only would win those back (0.985x) but lose SmolLM2's plain batch 1 its gain (0.99x
-    against 1.06x): a choice by the weights' size against the L3 is left to do. CPUs not measured keep Zen 5's
-    setting."""
+
+NEAR_L3 = 4  # weights up to this many times the L3 count as near its size (measured at 1.6x and 8x, see below)
+
+
+def prefetch_distance(weight_bytes: int | None = None, vendor: str | None = None, family: str | None = None,
+                      l3: int | None = None) -> tuple[int, int]:
+    """How far ahead (bytes) the bfloat16 kernels prefetch a model's weight stream in software on this CPU:
+    (one-row tiles, every other tile); 0: not at all. `weight_bytes`: the model's (None: unknown).
+
+    On the Zen 5 EPYC (AMD family 26) 8 KB ahead made a 5-token verification's matmuls cost what one token's do
+    (the C++ comment above `prefetch_one_row` has the numbers). On the Zen 4 EPYC (family 25, one thread, the same
+    weights read both ways in alternating rounds) the prefetches mostly cost issue slots: stacks of SmolLM2's matmuls
+    streamed from memory took 10.7 / 11.0 / 21.5 ms without at 1 / 5 / 16 rows against 11.2 / 12.5 / 22.5 with; in
+    the engine SmolLM2's plain decoding ran 1.02-1.06x as fast without at batch 1 and 1.06-1.07x at batch 8,
+    quantized_self γ=4 1.14-1.20x, the bench model's speculation at batch 1 and 8 and plain decoding at batch 16
+    1.02-1.12x. The exception is one-row steps of a model not much larger than the L3: the bench model's plain
+    batch-1 steps back to back (30-40 paired rounds) ran 0.86-0.91x without, 0.985x with one-row tiles prefetched
+    only; its 55 MB of weights are 1.6x the 32 MiB L3, SmolLM2's 269 MB 8x (0.99x with one-row prefetch, 1.06x
+    without any). Hence one-row prefetch on Zen 4 for weights up to NEAR_L3 times the L3, a threshold between the
+    two measured sizes: with it, back to back against prefetch everywhere, the bench model's plain batch-1 steps ran
+    0.996x (30 rounds) and SmolLM2's 1.03x (15). A crossover was not measured: stacks of one-row matmuls timed
+    outside the engine ran slower with the prefetch at 1.6x the L3 too (1.04x), so the effect is not the matmuls'
+    alone. CPUs not measured keep Zen 5's setting."""
     vendor = _value(_cpuinfo("vendor_id")) if vendor is None else vendor
     family = _value(_cpuinfo("cpu family")) if family is None else family
-    return 0 if (vendor, family) == ("AuthenticAMD", "25") else 8192
+    if (vendor, family) != ("AuthenticAMD", "25"):
+        return 8192, 8192
+    l3 = l3_bytes() if l3 is None else l3
+    near = weight_bytes is not None and 0 < weight_bytes <= NEAR_L3 * l3
+    return (8192 if near else 0), 0
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -1025,7 +1055,7 @@ def load() -> Any:
     module = build_once("specrl_decode_kernels", _SOURCE, _cpu_has_avx512_bf16)
     if module is not None and _amx_active is None:
         _set_amx(module, os.environ.get("SPECRL_AMX", "1") != "0")
-        module.set_prefetch(prefetch_distance())
+        module.set_prefetch(*prefetch_distance())
     return module
 
 

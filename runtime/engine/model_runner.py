@@ -330,6 +330,13 @@ def _int4_or_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Dense 
     return Int4Dense(weight, bias) if Int4Dense.fits(weight) else Int8Dense(weight, bias)
 
 
+def _kernel_bytes(m: object) -> int:
+    """The bytes of weights the kernels stream for layer `m` (0 where they do not run it)."""
+    if isinstance(m, Int4Dense) and m.kernels is not None:
+        return sum(t.nbytes for t in m.q4_packed)
+    return m.kweight.nbytes if isinstance(m, Dense) and m.kweight is not None else 0
+
+
 class TransformerRunner:
     """Runs (the first `num_layers` layers of) a Llama/Qwen2 causal LM over a StaticKVCache."""
 
@@ -346,6 +353,9 @@ class TransformerRunner:
     FUSED_ROWS_AMX = 144
     _fused: tuple[list, ...] | None = None  # decode_layers' weights (set by refresh where the kernels run)
     _kernels: Any = None  # cpu_kernels (bfloat16) or cpu_kernels_f32 (float32): the module `_fused` is for
+    # `cpu_kernels.prefetch_distance` of this model's weights, set before each fused forward: the bf16 module's
+    # setting is the process's, and a drafter beside the policy may want another one
+    _prefetch: tuple[int, int] | None = None
     _fused_rows = FUSED_ROWS
 
     def __init__(self, model: nn.Module, quantize: int = 0, max_positions: int | None = None,
@@ -461,11 +471,15 @@ class TransformerRunner:
             if w.in_norm is None or w.qk_norm is not None or not silu or not all(map(fused, parts)):
                 return None
         cols: list[list] = [[w.in_norm for w in self.layers], [w.post_norm for w in self.layers]]
+        streamed = 0  # bytes of weights a step reads through the kernels
         for name in ("qkv", "o", "gate_up", "down"):
             mods = [getattr(w, name) for w in self.layers]
             cols += [[m.q4_packed[0] if isinstance(m, Int4Dense) else m.kweight for m in mods],
                      [m.q4_sz if isinstance(m, Int4Dense) else None for m in mods],
                      [m.bias for m in mods]]
+            streamed += sum(map(_kernel_bytes, mods))
+        if kernels is cpu_kernels:
+            self._prefetch = cpu_kernels.prefetch_distance(streamed + _kernel_bytes(self.lm_head))
         return tuple(cols)
 
     def _qk_norm(self, attn: Attention) -> torch.Tensor | None:
@@ -605,6 +619,8 @@ class TransformerRunner:
             else:
                 pos = (torch.tensor(starts)[:, None] + torch.arange(t)).view(-1)
                 cos, sin = self.cos_table[pos], self.sin_table[pos]
+            if self._prefetch is not None:
+                self._kernels.set_prefetch(*self._prefetch)
             self._kernels.decode_layers(
                 h, *(col[:n] for col in self._fused), cache.k[:n], cache.v[:n], slot0, starts, cos, sin,
                 self.num_heads, self.num_kv_heads, self.intermediate, self.eps, self.scaling)

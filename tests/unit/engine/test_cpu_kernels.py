@@ -237,10 +237,22 @@ def test_linear_q4_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_the_prefetch_distance_is_the_one_measured_for_the_cpu() -> None:
-    assert cpu_kernels.prefetch_distance("AuthenticAMD", "25") == 0  # Zen 4: the prefetches only slowed it
-    assert cpu_kernels.prefetch_distance("AuthenticAMD", "26") == 8192  # Zen 5: they made verification cheap
-    assert cpu_kernels.prefetch_distance("GenuineIntel", "6") == 8192  # not measured: Zen 5's setting
-    assert cpu_kernels.prefetch_distance("", "") == 8192  # no /proc/cpuinfo
+    mib = 2**20
+    zen4 = ("AuthenticAMD", "25", 32 * mib)
+    assert cpu_kernels.prefetch_distance(55 * mib, *zen4) == (8192, 0)  # the bench model: one-row steps want it
+    assert cpu_kernels.prefetch_distance(128 * mib, *zen4) == (8192, 0)  # up to NEAR_L3 times the L3
+    assert cpu_kernels.prefetch_distance(269 * mib, *zen4) == (0, 0)  # SmolLM2: the prefetches only slowed it
+    assert cpu_kernels.prefetch_distance(None, *zen4) == (0, 0)  # a model's size unknown
+    assert cpu_kernels.prefetch_distance(55 * mib, "AuthenticAMD", "25", l3=0) == (0, 0)  # no L3 size from the OS
+    for vendor, family in (("AuthenticAMD", "26"), ("GenuineIntel", "6"), ("", "")):  # Zen 5, not measured, none
+        assert cpu_kernels.prefetch_distance(55 * mib, vendor, family, 32 * mib) == (8192, 8192)
+
+
+@pytest.mark.parametrize(("text", "size"), [("32768K", 32 * 2**20), ("1M", 2**20), ("512", 512), ("", 0), ("?K", 0)])
+def test_the_l3_size_is_read_as_the_os_writes_it(text: str, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda p, *a, **k: text + "\n" if p.name == "size" else real(p, *a, **k))
+    assert cpu_kernels.l3_bytes() == size
 
 
 @needs_kernels
@@ -252,13 +264,49 @@ def test_prefetching_never_changes_a_product() -> None:
     k = cpu_kernels.load()
     try:
         outs = []
-        for ahead in (0, 64, 8192):
-            k.set_prefetch(ahead)
-            outs.append((k.linear_bf16(x, packed, None, 208), k.linear_q4(x, *dense.q4_packed, None, 208)))
-        for bf16, q4 in outs[1:]:
-            assert torch.equal(bf16, outs[0][0]) and torch.equal(q4, outs[0][1])
+        for ahead in ((0, 0), (64, 0), (8192, 0), (0, 8192), (8192, 8192)):
+            k.set_prefetch(*ahead)
+            outs.append((k.linear_bf16(x, packed, None, 208), k.linear_q4(x, *dense.q4_packed, None, 208),
+                         k.linear_bf16(x[:1], packed, None, 208)))
+        for got in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
     finally:
-        k.set_prefetch(cpu_kernels.prefetch_distance())
+        k.set_prefetch(*cpu_kernels.prefetch_distance())
+
+
+@needs_kernels
+def test_each_runner_sets_the_prefetch_its_weights_size_calls_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' setting is the process's: a runner sets its own before each fused forward, so a drafter and
+    its policy of different sizes each stream with theirs."""
+    measured = cpu_kernels.prefetch_distance
+    sizes: list[int | None] = []
+
+    def distance(size: int | None = None) -> tuple[int, int]:
+        sizes.append(size)
+        return 100 + len(sizes), 7
+
+    monkeypatch.setattr(cpu_kernels, "prefetch_distance", distance)
+    runner = _fused_runner("llama", 1, torch.bfloat16)
+    # [N, K] of qkv, o, gate_up, down (hidden 64, 2 of 4 heads for k and v, intermediate 128) and the lm_head,
+    # bfloat16 with N padded to blocks of 16
+    shapes = [(64 + 2 * 32, 64), (64, 64), (2 * 128, 64), (64, 128)] * 2 + [(VOCAB, 64)]
+    assert sizes == [sum(2 * 16 * -(-n // 16) * k for n, k in shapes)]
+    k = cpu_kernels.load()
+    real, seen = k.set_prefetch, []
+
+    def set_prefetch(one: int, rows: int) -> list[int]:
+        seen.append((one, rows))
+        return real(one, rows)
+
+    monkeypatch.setattr(k, "set_prefetch", set_prefetch)
+    try:
+        with torch.inference_mode():
+            cache = runner.new_cache(1, 16)
+            runner.forward(cache, 0, [0], torch.tensor([[1, 2, 3]]))
+            runner.forward(cache, 0, [3], torch.tensor([[4]]))
+        assert seen == [(101, 7)] * 2
+    finally:
+        real(*measured())
 
 
 @needs_f32_kernels
