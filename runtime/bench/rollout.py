@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import functools
 import gc
 import json
@@ -446,8 +447,10 @@ def machine_info(engine: RolloutEngine | None, load_start: list[float] | None) -
 
     return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "cpu": cpu, "cache": cache, "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-            "native_bf16": native_bf16(), "amx": cpu_kernels.amx(),
+            "native_bf16": native_bf16(), "amx": cpu_kernels.amx(), "l3_bytes": cpu_kernels.l3_bytes(),
             "engine_dtype": str(engine.runner.dtype) if engine is not None else None,
+            # the policy's weight-stream prefetch (one-row tiles, the rest), chosen by its size against the L3
+            "prefetch": list(engine.runner._prefetch) if engine is not None and engine.runner._prefetch else None,
             "load_average_start": load_start, "load_average_end": _load_average()}
 
 
@@ -928,6 +931,9 @@ def run_sweep(plan: Plan, engines: Mapping[str, RolloutEngine], models: Models, 
     runs: dict[int, dict[str, list[RunResult]]] = {b: {n: [] for n in [*fixed, "adaptive"]}
                                                    for b in plan.sweep_batch_sizes}
     ran: dict[int, Counter[str]] = {b: Counter() for b in plan.sweep_batch_sizes}  # the policy's choices at b
+    # the policy's table at b after each repeat's run there: its predicted speed of each option (vs plain
+    # decoding), beside what the fixed configurations measured; where the two part, a near-tie goes the wrong way
+    predicted: dict[int, list[dict[str, float]]] = {b: [] for b in plan.sweep_batch_sizes}
 
     def size(b: int) -> int:
         return min(len(base), max(plan.sweep_prompts_per_slot * b, plan.sweep_min_prompts))
@@ -944,6 +950,7 @@ def run_sweep(plan: Plan, engines: Mapping[str, RolloutEngine], models: Models, 
             for name, x in side_by_side(engines, controllers, prompts, params, rotate=r, max_batch=b).items():
                 runs[b][name].append(x)
             ran[b] += Counter(adaptive.stats()["decisions_by_batch_size"].get(b, {})) - before
+            predicted[b].append(predicted_speeds(adaptive, b))
         advance()
     for b in plan.sweep_batch_sizes:
         cpu = {n: [x.rates_at(b)[0] for x in v] for n, v in runs[b].items()}
@@ -966,9 +973,20 @@ def run_sweep(plan: Plan, engines: Mapping[str, RolloutEngine], models: Models, 
                      "best_fixed_wall": best_wall,
                      "adaptive_vs_best_wall": ad_tps / best_tps if best_tps else None,
                      "model_choice": label(adaptive.choose(b)),
+                     "measured_vs_plain": {n: round(rate / plain, 3) for n in fixed
+                                           if (rate := cps[n]) and (plain := cps["ar"])},
+                     "predicted_vs_plain_per_repeat": predicted[b],
                      # steps at exactly b per option in the sweep's adaptive runs (probes included)
                      "adaptive_ran": dict(ran[b].most_common())})
     return rows
+
+
+def predicted_speeds(adaptive: AdaptiveController, batch: int) -> dict[str, float]:
+    """The policy's predicted speed of each option at `batch` (vs plain decoding; "draft_model:2" names its best
+    γ), read from a copy: reading the table folds the records kept since and times its next recomputation, which
+    would change the runs still to be measured."""
+    snapshot = copy.deepcopy(adaptive, {id(adaptive.metrics): adaptive.metrics})
+    return {label(d): round(speed, 3) for speed, d in snapshot.table(batch).values()}
 
 
 def _leader(runs: Mapping[str, Sequence[RunResult]], names: Sequence[str]) -> str | None:

@@ -50,6 +50,11 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
         # what the policy ran at exactly this batch size in the sweep: options the engine has
         assert row["adaptive_ran"] and all(k == "ar" or k.split(":")[0] in r["proposers"]["available"]
                                            for k in row["adaptive_ran"])
+        # the policy's predictions beside the fixed configurations' measurements, both against plain decoding
+        assert row["measured_vs_plain"]["ar"] == 1.0 and set(row["measured_vs_plain"]) <= set(row["tokens_per_s"])
+        [predicted] = row["predicted_vs_plain_per_repeat"]  # one repeat
+        assert predicted["ar"] == 1.0 and all(v > 0 for v in predicted.values())
+        assert {k.split(":")[0] for k in predicted} - {"ar"} <= set(r["proposers"]["available"])
     # what could explain a different result elsewhere, and the spread of repeats next to each median
     m = r["machine"]
     assert m["threads"] >= 1 and m["engine_dtype"].startswith("torch.") and "load_average_end" in m
@@ -215,3 +220,38 @@ def test_ratio_interval_covers_the_true_ratio_at_its_level() -> None:
     exact = ratio_interval([1.1, 1.1, 1.1])
     assert exact == {"geomean": 1.1, "low": 1.1, "high": 1.1, "level": 0.9}
     assert ratio_interval([1.2]) is None and ratio_interval([]) is None
+
+
+def test_reading_the_policys_predictions_does_not_change_its_course() -> None:
+    """The sweep reads the policy's table between its runs; reading it for real folds the records kept since and
+    times the next recomputation, so it reads a copy: the policy then decides exactly as if nobody had looked."""
+    import copy
+    import pickle
+
+    from specrl.runtime.bench.rollout import predicted_speeds
+    from specrl.runtime.engine.adaptive import AdaptiveController, AdaptiveSettings, label
+
+    from .test_adaptive import Machine, calibrated
+
+    def machine() -> Machine:
+        return Machine({"draft_model": 0.8, "ngram": 0.5}, {"draft_model": 0.08, "ngram": 0.0}, seed=3)
+
+    def course(ctrl: AdaptiveController, m: Machine, batch: int, steps: int) -> list[str]:
+        out = []
+        for _ in range(steps):
+            d = ctrl.decide(batch)
+            ctrl.observe(d, m.step(d, batch))
+            out.append(label(d))
+        return out
+
+    methods = ["draft_model", "ngram"]
+    ctrl = AdaptiveController(methods, cost_model=calibrated(machine(), methods), settings=AdaptiveSettings())
+    looked, m1 = ctrl, machine()
+    course(looked, m1, 8, 37)
+    untouched, m2 = copy.deepcopy(looked), copy.deepcopy(m1)
+    predicted = predicted_speeds(looked, 2)  # a batch size it has no table for yet
+    assert predicted["ar"] == 1.0 and {k.split(":")[0] for k in predicted} == {"ar", *methods}
+    assert predicted == {label(d): round(s, 3) for s, d in copy.deepcopy(untouched).table(2).values()}
+    assert pickle.dumps(looked) == pickle.dumps(untouched)  # its whole state, records and tables' timing included
+    assert course(looked, m1, 8, 200) + course(looked, m1, 2, 100) == \
+        course(untouched, m2, 8, 200) + course(untouched, m2, 2, 100)
