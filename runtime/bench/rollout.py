@@ -450,7 +450,7 @@ def machine_info(engine: RolloutEngine | None, load_start: list[float] | None) -
             "native_bf16": native_bf16(), "amx": cpu_kernels.amx(), "l3_bytes": cpu_kernels.l3_bytes(),
             "engine_dtype": str(engine.runner.dtype) if engine is not None else None,
             # the policy's weight-stream prefetch (one-row tiles, the rest), chosen by its size against the L3
-            "prefetch": list(engine.runner._prefetch) if engine is not None and engine.runner._prefetch else None,
+            "prefetch": list(engine.runner.prefetch) if engine is not None and engine.runner.prefetch else None,
             "load_average_start": load_start, "load_average_end": _load_average()}
 
 

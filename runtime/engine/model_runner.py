@@ -492,6 +492,12 @@ class TransformerRunner:
         return w.view(1, self.num_heads + self.num_kv_heads, 1, self.head_dim).to(self.dtype)
 
     # ---- cache ---------------------------------------------------------------------------------------------
+    @property
+    def prefetch(self) -> tuple[int, int] | None:
+        """The kernels' weight-stream prefetch this model runs with (one-row tiles, the rest; bytes ahead), None
+        where its forward does not run the bfloat16 fused stack."""
+        return self._prefetch
+
     def new_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> StaticKVCache:
         return StaticKVCache(num_layers or self.num_layers, slots, self.num_kv_heads, max_len, self.head_dim,
                              self.dtype, self.device)

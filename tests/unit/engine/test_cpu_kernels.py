@@ -291,6 +291,7 @@ def test_each_runner_sets_the_prefetch_its_weights_size_calls_for(monkeypatch: p
     # bfloat16 with N padded to blocks of 16
     shapes = [(64 + 2 * 32, 64), (64, 64), (2 * 128, 64), (64, 128)] * 2 + [(VOCAB, 64)]
     assert sizes == [sum(2 * 16 * -(-n // 16) * k for n, k in shapes)]
+    assert runner.prefetch == (101, 7)  # what the bench records beside its numbers
     k = cpu_kernels.load()
     real, seen = k.set_prefetch, []
 
