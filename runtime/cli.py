@@ -36,6 +36,7 @@ HANDLERS: dict[str, str] = {
     "operator": "specrl.operator.main:main",
     "bench rollout": "specrl.runtime.bench.rollout:main",
     "bench sync": "specrl.runtime.bench.sync:main",
+    "bench prefetch": "specrl.runtime.bench.prefetch:main",
     "simulate": "specrl.runtime.sim.cli:main",
     "worker": "specrl.runtime.worker:main",
     "export": "specrl.runtime.models.export:main",
@@ -43,7 +44,7 @@ HANDLERS: dict[str, str] = {
 
 # Subcommands that need the `runtime` extra; checked before the handler is imported, so that a base install
 # gets one line instead of an ImportError from deep inside.
-RUNTIME_COMMANDS = frozenset({"run", "bench rollout", "bench sync", "worker"})
+RUNTIME_COMMANDS = frozenset({"run", "bench rollout", "bench sync", "bench prefetch", "worker"})
 # Top-level modules of the runtime extra (pyproject.toml [project.optional-dependencies] runtime).
 RUNTIME_MODULES = ("torch", "transformers", "safetensors", "ray", "scipy", "matplotlib")
 RUNTIME_HINT = "install the runtime extra: pip install 'specrl[runtime]'"
@@ -178,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "Measured on this machine; medians over repeats. See README for the targets.")
     which = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
     for name, text in (("rollout", "speculative rollout engine vs plain decoding and HF generate"),
-                       ("sync", "weight sync between two processes vs loopback TCP")):
+                       ("sync", "weight sync between two processes vs loopback TCP"),
+                       ("prefetch", "the engine's one-row weight prefetch on vs off, by the weights' size")):
         b = _command(which, name, text, "Prints a table; --json writes every measurement.")
         b.add_argument("--quick", action="store_true", help="smaller workload, for smoke tests")
         b.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
@@ -191,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
             b.add_argument("--seed", type=int, default=None, metavar="N",
                            help="first sampling seed of the engine runs (default: the workload's); a fixed "
                                 "configuration samples the same texts whenever the seed is the same")
+        if name == "prefetch":
+            b.add_argument("--model", default="builtin:smollm2-135m", metavar="NAME",
+                           help="the checkpoint cut to its first N layers (default: %(default)s)")
+            b.add_argument("--layers", default=None, metavar="N,N,...",
+                           help="layer counts to measure ('all': the whole model; default: 1,3,5,7,9,11,14,18,all "
+                                "up to the model's depth; --quick: 1,2)")
 
     p = _command(sub, "simulate", "simulate an RL job at cluster scale (a cost model; no torch needed)",
                  "Compares plain decoding, speculative decoding, the best static trainer/rollout split and the\n"

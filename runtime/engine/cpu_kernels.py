@@ -950,7 +950,7 @@ def l3_bytes() -> int:
     return int(digits) * scale if digits.isdigit() else 0
 
 
-NEAR_L3 = 4  # weights up to this many times the L3 count as near its size (measured at 1.6x and 8x, see below)
+NEAR_L3 = 3.4  # weights up to this many times the L3 count as near its size (the measured crossover, see below)
 
 
 def prefetch_distance(weight_bytes: int | None = None, vendor: str | None = None, family: str | None = None,
@@ -966,12 +966,13 @@ def prefetch_distance(weight_bytes: int | None = None, vendor: str | None = None
     quantized_self γ=4 1.14-1.20x, the bench model's speculation at batch 1 and 8 and plain decoding at batch 16
     1.02-1.12x. The exception is one-row steps of a model not much larger than the L3: the bench model's plain
     batch-1 steps back to back (30-40 paired rounds) ran 0.86-0.91x without, 0.985x with one-row tiles prefetched
-    only; its 55 MB of weights are 1.6x the 32 MiB L3, SmolLM2's 269 MB 8x (0.99x with one-row prefetch, 1.06x
-    without any). Hence one-row prefetch on Zen 4 for weights up to NEAR_L3 times the L3, a threshold between the
-    two measured sizes: with it, back to back against prefetch everywhere, the bench model's plain batch-1 steps ran
-    0.996x (30 rounds) and SmolLM2's 1.03x (15). A crossover was not measured: stacks of one-row matmuls timed
-    outside the engine ran slower with the prefetch at 1.6x the L3 too (1.04x), so the effect is not the matmuls'
-    alone. CPUs not measured keep Zen 5's setting."""
+    only; its 55 MB of weights are 1.6x the 32 MiB L3. Where that stops, `specrl bench prefetch` measured on
+    SmolLM2 cut to 1-30 layers (plain batch 1, one-row prefetch against none, geomeans of 60-120 paired rounds
+    over three to five runs, three of them the command's): 1.07 / 1.03 / 1.03 / 1.03 at 1.9x / 2.3x / 2.7x / 3.2x
+    the L3, a wash at 3.6x (0.99: three runs lost 0.97x, two gained 1.03x), then 0.98 / 0.98 / 0.98 / 0.96 at 4.0x
+    / 4.6x / 5.5x / 8x. Hence one-row prefetch on Zen 4 up to NEAR_L3 times the L3, between the last size that
+    gained and the wash. Stacks of one-row matmuls timed outside the engine ran slower with the prefetch at 1.6x
+    the L3 too (1.04x), so the effect is not the matmuls' alone. CPUs not measured keep Zen 5's setting."""
     vendor = _value(_cpuinfo("vendor_id")) if vendor is None else vendor
     family = _value(_cpuinfo("cpu family")) if family is None else family
     if (vendor, family) != ("AuthenticAMD", "25"):

@@ -356,6 +356,7 @@ class TransformerRunner:
     # `cpu_kernels.prefetch_distance` of this model's weights, set before each fused forward: the bf16 module's
     # setting is the process's, and a drafter beside the policy may want another one
     _prefetch: tuple[int, int] | None = None
+    kernel_bytes = 0  # bytes of weights a fused step streams through the kernels (0: it does not run them)
     _fused_rows = FUSED_ROWS
 
     def __init__(self, model: nn.Module, quantize: int = 0, max_positions: int | None = None,
@@ -478,8 +479,9 @@ class TransformerRunner:
                      [m.q4_sz if isinstance(m, Int4Dense) else None for m in mods],
                      [m.bias for m in mods]]
             streamed += sum(map(_kernel_bytes, mods))
+        self.kernel_bytes = streamed + _kernel_bytes(self.lm_head)
         if kernels is cpu_kernels:
-            self._prefetch = cpu_kernels.prefetch_distance(streamed + _kernel_bytes(self.lm_head))
+            self._prefetch = cpu_kernels.prefetch_distance(self.kernel_bytes)
         return tuple(cols)
 
     def _qk_norm(self, attn: Attention) -> torch.Tensor | None:
@@ -497,6 +499,14 @@ class TransformerRunner:
         """The kernels' weight-stream prefetch this model runs with (one-row tiles, the rest; bytes ahead), None
         where its forward does not run the bfloat16 fused stack."""
         return self._prefetch
+
+    @prefetch.setter
+    def prefetch(self, distances: tuple[int, int]) -> None:
+        """Override the choice (`specrl bench prefetch` measures both sides of it); a weight refresh chooses again."""
+        if self._prefetch is None:
+            raise ValueError("prefetch: this model's forward does not run the bfloat16 kernels")
+        one_row, rows = distances
+        self._prefetch = (int(one_row), int(rows))
 
     def new_cache(self, slots: int, max_len: int, num_layers: int | None = None) -> StaticKVCache:
         return StaticKVCache(num_layers or self.num_layers, slots, self.num_kv_heads, max_len, self.head_dim,

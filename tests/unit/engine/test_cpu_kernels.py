@@ -240,7 +240,8 @@ def test_the_prefetch_distance_is_the_one_measured_for_the_cpu() -> None:
     mib = 2**20
     zen4 = ("AuthenticAMD", "25", 32 * mib)
     assert cpu_kernels.prefetch_distance(55 * mib, *zen4) == (8192, 0)  # the bench model: one-row steps want it
-    assert cpu_kernels.prefetch_distance(128 * mib, *zen4) == (8192, 0)  # up to NEAR_L3 times the L3
+    assert cpu_kernels.prefetch_distance(101 * mib, *zen4) == (8192, 0)  # up to NEAR_L3 times the L3
+    assert cpu_kernels.prefetch_distance(115 * mib, *zen4) == (0, 0)  # SmolLM2's first 9 layers: 0.97x with it
     assert cpu_kernels.prefetch_distance(269 * mib, *zen4) == (0, 0)  # SmolLM2: the prefetches only slowed it
     assert cpu_kernels.prefetch_distance(None, *zen4) == (0, 0)  # a model's size unknown
     assert cpu_kernels.prefetch_distance(55 * mib, "AuthenticAMD", "25", l3=0) == (0, 0)  # no L3 size from the OS

@@ -82,6 +82,7 @@ def test_every_command_has_its_own_help_documenting_each_argument() -> None:
     ("validate", "-", "-"),
     ("operator", "--default-job-image", "not an image"),
     ("bench", "sync", "--repeats", "0"),
+    ("bench", "prefetch", "--repeats", "0"),
     ("simulate",),
     ("simulate", "--preset", "nope"),
 ])
@@ -234,7 +235,7 @@ def test_base_install_runs_validate_crd_and_simulate_without_torch() -> None:
     assert "rollout speedup" in sim.stdout
 
 
-@pytest.mark.parametrize("args", [("run", str(TINY)), ("bench", "rollout", "--quick")])
+@pytest.mark.parametrize("args", [("run", str(TINY)), ("bench", "rollout", "--quick"), ("bench", "prefetch", "--quick")])
 def test_base_install_runtime_commands_say_what_to_install(args: tuple[str, ...]) -> None:
     proc = _specrl(*args, base_install=True)
     assert proc.returncode == 1
