@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--quick", action="store_true", help="smaller workload, for smoke tests")
         b.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
         b.add_argument("--repeats", type=positive_int, default=None, metavar="N",
-                       help="repetitions (the median is reported)")
+                       help="paired rounds per size, on and off (the geomean ratio is reported; default 20)"
+                       if name == "prefetch" else "repetitions (the median is reported)")
         if name == "rollout":
             b.add_argument("--model", default=None, metavar="NAME",
                            help="a real checkpoint (e.g. builtin:smollm2-135m): chat prompts, every native proposer "
