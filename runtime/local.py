@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .cores import available_cores
+
 if TYPE_CHECKING:
     from types import TracebackType
 
@@ -112,13 +114,6 @@ def check_settings(settings: RunSettings, source: str = "<job>", name: str = "")
     return settings
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def local_threads(settings: RunSettings, cores: int) -> int:
     """Torch threads per trainer when every worker shares this machine. Sync mode alternates the phases (rollouts,
     then training), so training may use every core; async mode overlaps them, and so does drafter training, which
@@ -170,7 +165,7 @@ def build_models(settings: RunSettings, progress: bool) -> None:
     names = [n for n in (settings.model, settings.draft_model) if n and n.startswith("builtin:")]
     if not names:
         return
-    threads = max(1, _cores())
+    threads = available_cores()
     if not progress:
         ensure_models(names, threads=threads)
         return
@@ -190,7 +185,7 @@ def start_ray() -> None:
     quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error",
              "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
     os.environ.update({k: v for k, v in quiet.items() if k != "OMP_NUM_THREADS"})
-    ray.init(num_cpus=max(2, _cores()), include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+    ray.init(num_cpus=max(2, available_cores()), include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
              configure_logging=True, runtime_env={"env_vars": quiet})
 
 
@@ -204,7 +199,7 @@ def run_job(settings: RunSettings, out_dir: Path, *, progress: bool = True, meas
 
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    settings = settings.replace(trainer_threads=local_threads(settings, _cores()))
+    settings = settings.replace(trainer_threads=local_threads(settings, available_cores()))
     build_models(settings, progress)
     start_ray()
     opts = {"http_port": free_port(), **(coordinator_options or {})}

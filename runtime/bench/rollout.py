@@ -168,10 +168,13 @@ def load_models(quick: bool, progress: Callable[[str], None]) -> Models:
     # for the defaults.
     target_name = os.environ.get("SPECRL_BENCH_TARGET", TARGET)
     draft_name = os.environ.get("SPECRL_BENCH_DRAFT", DRAFT)
+    def building(stage: str, done: int, total: int, note: str) -> None:  # a first use builds it, on every core
+        progress(f"building the bench models: {stage} {done}/{total} {note}".rstrip())
+
     progress(f"loading {target_name} (built on first use)")
-    target, _ = load_policy(target_name)
+    target, _ = load_policy(target_name, progress=building)
     progress(f"loading {draft_name} (built on first use)")
-    draft, _ = load_policy(draft_name)
+    draft, _ = load_policy(draft_name, progress=building)
     bt, bd = build_info(target_name), build_info(draft_name)
     info = {"name": target_name, "parameters": _params(target), "trained_steps": _steps(bt),
             "draft": draft_name, "draft_parameters": _params(draft), "draft_trained_steps": _steps(bd),

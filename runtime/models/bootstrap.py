@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ..cores import available_cores
 from ..paths import cache_dir
 from ..rl.task import SyntheticTask, prompt_token_ids
 from ..rl.tokenizer import CharTokenizer
@@ -363,16 +364,18 @@ def exclusive(lock_path: Path, waiting: Callable[[], None] | None = None) -> Ite
 PARALLEL_MIN_HIDDEN = 512
 
 
-def build_threads(recipe: Recipe, available: int | None) -> int | None:
-    """Torch threads to build `recipe` with: one for narrow models, `available` (None: torch's default) otherwise."""
-    return 1 if recipe.hidden_size < PARALLEL_MIN_HIDDEN else available
+def build_threads(recipe: Recipe, available: int | None) -> int:
+    """Torch threads to build `recipe` with: one for narrow models, `available` (None: every core this process may
+    use) otherwise. Not torch's current setting: a caller that measures on one thread (`specrl bench rollout`) set
+    it to 1 before loading its models, and building the bench policy on one thread took over 45 minutes on an
+    AVX2-only EPYC."""
+    if recipe.hidden_size < PARALLEL_MIN_HIDDEN:
+        return 1
+    return available if available is not None else available_cores()
 
 
 @contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    if n is None:
-        yield
-        return
+def _threads(n: int) -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     try:
