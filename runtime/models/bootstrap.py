@@ -367,8 +367,8 @@ PARALLEL_MIN_HIDDEN = 512
 def build_threads(recipe: Recipe, available: int | None) -> int:
     """Torch threads to build `recipe` with: one for narrow models, `available` (None: every core this process may
     use) otherwise. Not torch's current setting: a caller that measures on one thread (`specrl bench rollout`) set
-    it to 1 before loading its models, and building the bench policy on one thread took over 45 minutes on an
-    AVX2-only EPYC."""
+    it to 1 before loading its models, and its first use built the bench policy on one thread: 2029 s on a 2-core
+    AVX2-only EPYC, one core idle."""
     if recipe.hidden_size < PARALLEL_MIN_HIDDEN:
         return 1
     return available if available is not None else available_cores()
