@@ -101,7 +101,7 @@ def low_percentile(xs: Iterable[float], q: float = 0.2) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-def _interp(points: Mapping[int, float], x: float) -> float:
+def interp_log_batch(points: Mapping[int, float], x: float) -> float:
     """Piecewise-linear in log(batch size), clamped at the ends: step costs grow smoothly with b."""
     return _interp_with(sorted(points), points.__getitem__, x)
 
@@ -121,7 +121,7 @@ def _bracket(keys: Sequence[int], x: float) -> list[tuple[int, float]]:
 
 
 def _interp_with(keys: Sequence[int], value: Callable[[int], float], x: float) -> float:
-    """`_interp` over sorted `keys`, evaluating `value` only at the (at most two) keys that bracket x."""
+    """`interp_log_batch` over sorted `keys`, evaluating `value` only at the (at most two) keys that bracket x."""
     return sum(value(k) * w for k, w in _bracket(keys, x))
 
 
@@ -182,7 +182,7 @@ class CostModel:
         # a measured batch size is its own value (what the interpolation gives there, without sorting the keys:
         # every step folded into the estimates reads it twice)
         exact = self.target_step.get(batch)
-        return exact if exact is not None else _interp(self.target_step, batch)
+        return exact if exact is not None else interp_log_batch(self.target_step, batch)
 
     def v(self, batch: int, gamma: int) -> float:
         """verify(γ+1 tokens) / `plain_step` at this batch size (linear in tokens between measured k)."""
