@@ -272,8 +272,6 @@ class AdaptiveController:
         self.current = AR
         self.steps = self.sd_steps = self.probes = self.neighbours = 0
         self._counts: dict[int, Counter[str]] = {}
-        # per batch size: speculative steps run there since its last plain step (`_recheck_due`)
-        self._since_plain: dict[int, int] = {}
 
     @property
     def alpha(self) -> dict[str, float]:
@@ -430,8 +428,6 @@ class AdaptiveController:
             # docstring).
             held.counts[held.label] += 1
             self.sd_steps += held.speculative
-            if held.speculative:  # a speculative hold never leaves its batch size (`_carry`)
-                self._since_plain[held.batch] += 1
             self._report(held.decision)
             self._clock.start()
             return held.decision
@@ -460,8 +456,6 @@ class AdaptiveController:
         if counts is None:  # not setdefault: it would build a Counter at every step
             counts = self._counts[active_batch_size] = Counter()
         counts[label(decision)] += 1
-        self._since_plain[active_batch_size] = self._since_plain.get(active_batch_size, 0) + 1 \
-            if is_speculative(decision) else 0
         self._held = self._hold(active_batch_size, decision, counts) if not exploring and s.adaptive else None
         self._report(decision)
         self._clock.start()
@@ -480,16 +474,25 @@ class AdaptiveController:
         (`options`: this batch size's table, if at hand; inf: never measured here, so nothing to recheck: the
         calibration's or a neighbour's cost stands).
 
-        Counted in steps *at this batch size*: counted in all steps, as before, a batch size the long-tail workload
-        visits for two or three steps per rollout step (batch 16 after each step's prefill, 9-15 on the way down)
-        found its plain sample stale at every visit and rechecked at each, and the Xeon's (AMX, 480 MiB L3)
-        long-tail runs decoded plainly in 29 of 44 steps at batch 16, where fixed γ=4 ran 1.37x plain decoding."""
+        Counted in all steps, not in steps at this batch size (tried and reverted, thirty-fourth session): a batch
+        size the long-tail workload visits for two or three steps per rollout step then went unrechecked for whole
+        rollouts, and in one of two runs the policy decoded plainly in 430 steps at batch 16 (the serving shape at
+        1.02x plain decoding, 1.12x with this code on the same seeds). A recheck at each such visit times plain
+        decoding in the same moments as the speculation it is compared with."""
         s = self.settings
-        if self.estimates.plain_measured_at(batch) is None:
+        measured = self.estimates.plain_measured_at(batch)
+        if measured is None:
             return math.inf
+        if self.steps - measured > s.recheck:
+            # a plain step since may be among the records not folded yet (read there: folding here, at nearly
+            # every step that is not held, cost as much as the tables)
+            measured = max((step for record, _, step in self._pending
+                            if record.batch_size == batch and not (record.method and record.gamma > 0)),
+                           default=measured)
+            if self.steps - measured <= s.recheck:
+                return measured + s.recheck
         gain = (options if options is not None else self.table(batch))[decision.method][0] - 1
-        # this step is the (since + 1)-th speculative one here: due once `since` reaches the period
-        return self.steps - 1 + max(s.recheck, gain / s.recheck_cost) - self._since_plain.get(batch, 0)
+        return measured + max(s.recheck, gain / s.recheck_cost)
 
     def _hold(self, batch: int, decision: Decision, counts: Counter[str]) -> _Held | None:
         """`decision` held at this batch size until its table's next refresh or the next step a probe may start."""
@@ -523,7 +526,6 @@ class AdaptiveController:
         counts = self._counts.get(batch)
         if counts is None:
             counts = self._counts[batch] = Counter()
-        self._since_plain[batch] = 0
         # in place: the tail visits a new batch size every step or two, and this runs inside the decode loop
         held.batch, held.until, held.key, held.table, held.counts = batch, until, key, table, counts
         held.seconds, held.sparse, held.kept = table.plain_seconds, True, False
