@@ -943,7 +943,7 @@ def test_one_plain_step_at_a_batch_size_the_tail_visits_briefly_does_not_set_its
     # decoding where it ran at 1.34x). Its own samples are weighed against the neighbours' plain steps.
     from specrl.runtime.engine.estimates import PLAIN_PRIOR, shrunk_plain
 
-    cal = CostModel(target_step={8: 8e-3, 16: 9e-3}, verify_step={8: {3: 12e-3}, 16: {3: 14e-3}},
+    cal = CostModel(target_step={4: 7e-3, 8: 8e-3, 16: 9e-3}, verify_step={8: {3: 12e-3}, 16: {3: 14e-3}},
                     draft_step={"draft_model": {8: 1e-3, 16: 1.2e-3}})
     ctrl = AdaptiveController(["draft_model"], cost_model=cal, alpha_priors={"draft_model": 0.85},
                               settings=AdaptiveSettings(probe=0.0))
@@ -958,6 +958,9 @@ def test_one_plain_step_at_a_batch_size_the_tail_visits_briefly_does_not_set_its
     ctrl.observe(AR, record(AR, 16, 0, 2 * 9e-3))
     ctrl.observe(AR, record(AR, 16, 0, 2 * 9e-3))
     assert ctrl.costs.t_ar(16) == pytest.approx(2 * 9e-3)
+    ctrl.observe(AR, record(AR, 8, 0, 2 * 8e-3))  # calibrated, between 4 and 12: no prior either
+    ctrl.observe(AR, record(AR, 8, 0, 2 * 8e-3))
+    assert ctrl.costs.t_ar(8) == pytest.approx(2 * 8e-3)
     assert shrunk_plain(5.0, 1, {8: 1.0, 16: 2.0}, 32) == 5.0
     assert shrunk_plain(5.0, 1, {}, 12) == 5.0
     assert shrunk_plain(5.0, 1, {8: 1.0, 12: 7.0, 16: 1.0}, 12) == pytest.approx((5.0 + PLAIN_PRIOR) / (1 + PLAIN_PRIOR))
