@@ -227,6 +227,8 @@ class Timeline:
         self.cpu = time.process_time if turn is None else time.thread_time
         self.marks: list[tuple[float, int]] = []
         self.by_batch: dict[int, list[float]] = {}  # batch size -> [tokens, CPU seconds, wall seconds]
+        self.policy_cpu = 0.0  # CPU seconds inside the controller's `decide` and `observe` (the policy's own cost)
+        self.steps = 0
         self._start = (0.0, 0.0)
         self._waited = 0.0
 
@@ -241,11 +243,17 @@ class Timeline:
             self._waited += time.perf_counter() - waiting
         now = self.now()
         self.marks.append((now, self.engine.stats.requests_completed))
-        self._start = (self.cpu(), now)
-        return self.inner.decide(active_batch_size)
+        cpu = self.cpu()
+        self._start = (cpu, now)
+        decision = self.inner.decide(active_batch_size)
+        self.policy_cpu += self.cpu() - cpu
+        self.steps += 1
+        return decision
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
+        cpu = self.cpu()
         self.inner.observe(decision, record)
+        self.policy_cpu += self.cpu() - cpu
         row = self.by_batch.setdefault(record.batch_size, [0.0, 0.0, 0.0])
         row[0] += record.emitted_tokens
         row[1] += self.cpu() - self._start[0]
@@ -271,6 +279,8 @@ class RunResult:
     lengths: list[int] = field(default_factory=list)
     by_batch: dict[int, list[float]] = field(default_factory=dict)  # decode steps: [tokens, CPU s, wall s]
     prefill_seconds: float = 0.0  # of `seconds`, admitting prompts: their prefill and first tokens
+    policy_cpu_seconds: float = 0.0  # of `cpu_seconds`, in the controller's `decide` and `observe`
+    steps: int = 0  # decode steps
 
     @property
     def decode_tokens(self) -> int:
@@ -340,7 +350,8 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
                      acceptance_length=s.acceptance_length,
                      forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=tail,
                      lengths=[len(o.token_ids) for o in outs], by_batch=timeline.by_batch,
-                     prefill_seconds=s.prefill_seconds)
+                     prefill_seconds=s.prefill_seconds, policy_cpu_seconds=timeline.policy_cpu,
+                     steps=timeline.steps)
 
 
 @contextlib.contextmanager
@@ -407,8 +418,9 @@ def mix_rates(runs: Mapping[str, Sequence[RunResult]], reference: str) -> dict[s
     for name, t in totals.items():
         seconds = sum(m * t[i][1] / t[i][0] for m, i in zip(mix, common))
         rates[name] = sum(mix) / seconds if seconds > 0 else None
+    by_bucket = {name: [round(t[i][0] / t[i][1], 1) for i in common] for name, t in totals.items()}
     return {"tokens_per_cpu_s": rates, "buckets": [list(MIX_BUCKETS[i]) for i in common],
-            "reference_tokens": [round(m, 1) for m in mix]}
+            "reference_tokens": [round(m, 1) for m in mix], "tokens_per_cpu_s_by_bucket": by_bucket}
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float] | None:
@@ -763,7 +775,13 @@ def run(plan: Plan, progress: Callable[[str], None], advance: Callable[[], None]
                 "target_forwards_per_token": med([x.forwards_per_token for x in rs]),
                 "tail_seconds": med([x.tail_seconds for x in rs]),
                 "seconds": med([x.seconds for x in rs]), "tokens": med([x.tokens for x in rs]),
-                "runs_tokens_per_s": [round(x.tokens_per_s, 2) for x in rs]}
+                "runs_tokens_per_s": [round(x.tokens_per_s, 2) for x in rs],
+                # the controller's own CPU time: per decode step, and its share of the run's
+                "policy_us_per_step": med([1e6 * x.policy_cpu_seconds / x.steps for x in rs if x.steps]),
+                "policy_cpu_share": med([x.policy_cpu_seconds / x.cpu_seconds for x in rs if x.cpu_seconds > 0]),
+                # per repeat, per batch size: [decode tokens, CPU seconds] (where a configuration gains or loses)
+                "runs_by_batch": [{b: [round(v[0]), round(v[1], 4)] for b, v in sorted(x.by_batch.items())}
+                                  for x in rs]}
 
     phase("long_tail")
     ar_tps = summary("ar")["tokens_per_s"] or 0.0
@@ -1334,6 +1352,10 @@ def main(args: argparse.Namespace) -> int:
               f"{(mix['adaptive_vs_best_fixed']['ratio'] or 0):.2f}× the best fixed ({mix['best_fixed']}); "
               f"per repeat {mix['adaptive_vs_best_fixed']['ratios']}; vs the best of the other repeats "
               f"{(mix['adaptive_vs_held_out_best'] or 0):.2f}×")
+    ada = result["adaptive"]
+    if ada.get("policy_us_per_step") is not None:
+        out.print(f"the adaptive policy's own CPU time on the long tail: {ada['policy_us_per_step']:.0f} µs a decode "
+                  f"step, {100 * (ada['policy_cpu_share'] or 0):.1f}% of the run's")
     null = mix["fixed_on_other_texts"]
     if null["ratios"]:
         out.print(f"the same fixed configuration on other texts ({', '.join(dict.fromkeys(null['configs']))}): "

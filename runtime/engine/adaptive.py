@@ -37,6 +37,13 @@ computed from records not folded yet. A recomputation that names the same leader
 the steps until the next one (from `refresh` up to `stable_refresh`): at batch 2 on the bench model the policy's
 time, with tables every 8 steps and their folds, was 2.4–2.5% of the decode's, and 1.8–2.0% with this.
 
+**Table lifetimes.** A table's refresh counts the steps run at its batch size (its key), not all steps, and
+`max_table_age` steps in all bound it. A rollout step's long tail visits each batch size for a step or two, a few
+dozen steps apart: counted in all steps every table had expired by the next visit, and 58% of the long-tail
+workload's steps computed one (bench model, AMX Xeon: the policy's own time 218-243 µs a step, 1.4% of the run's
+CPU). Counted per batch size, 17% did (161 µs, 0.9%). What the stale tables miss is covered elsewhere: a record that
+moves an estimate by 10% drops its table (`_fold`), and a step `SURPRISE` times off its prediction is re-examined.
+
 **Settled tables.** Where plain decoding wins by more than a probe could overturn, the table is settled: it stands
 `settled_refresh` steps instead of `refresh` (doubled by each recomputation that settles it again, up to
 `settled_stable_refresh`), through cost moves its margin covers, until a speculative step moves acceptance, and
@@ -104,13 +111,15 @@ Options = dict[str | None, tuple[float, Decision]]  # per option (None: plain), 
 
 @dataclass(frozen=True, slots=True)
 class _Table:
-    """One batch size's options as computed at step `step`, current until step `until`. `settled`: plain decoding
-    wins there by more than a probe could overturn (see "settled tables" in the module docstring)."""
+    """One batch size's options as computed at its step `step`, current until its step `until` (steps counted at
+    its batch key, see "table lifetimes" in the module docstring) and at most `max_table_age` steps in all after
+    `born`. `settled`: plain decoding wins there by more than a probe could overturn (see "settled tables")."""
 
     step: int
     until: int
     options: Options
     plain_seconds: float  # a plain step's estimate at this batch size when the table was computed
+    born: int  # the controller's step (all batch sizes) it was computed at
     # the fastest proposer's predicted speed with `probe_optimism` more acceptance (inf: not computed, not settled)
     optimistic: float = math.inf
 
@@ -193,6 +202,9 @@ class AdaptiveSettings:
     # settles it again, up to `settled_stable_refresh`
     settled_refresh: int = 512
     settled_stable_refresh: int = 4096
+    # The steps (all batch sizes) a table stands at most, however few of them ran at its batch size ("table
+    # lifetimes" in the module docstring): acceptance moves with the drafter's training in every batch size's steps
+    max_table_age: int = 512
     # The tail's choice is prefilled on every admission only if a draft token costs at most this many plain steps
     # at batch 1: its prompt prefill then adds about that share to the target's. A costlier drafter with a cache of
     # its own (a draft model near the policy's size) catches up only on the rows that reach the tail. Drafters over
@@ -224,10 +236,11 @@ class AdaptiveSettings:
                              f"{self.recheck}, {self.recheck_cost}")
         if self.neighbour < 0:
             raise ValueError(f"neighbour must be >= 0, got {self.neighbour}")
-        if min(self.window, self.refresh, self.settled_refresh, self.probe_run, self.probe_max_batch) < 1:
-            raise ValueError(f"window, refresh, settled_refresh, probe_run and probe_max_batch must be >= 1, got "
-                             f"{self.window}, {self.refresh}, {self.settled_refresh}, {self.probe_run}, "
-                             f"{self.probe_max_batch}")
+        if min(self.window, self.refresh, self.settled_refresh, self.probe_run, self.probe_max_batch,
+               self.max_table_age) < 1:
+            raise ValueError(f"window, refresh, settled_refresh, probe_run, probe_max_batch and max_table_age must be "
+                             f">= 1, got {self.window}, {self.refresh}, {self.settled_refresh}, {self.probe_run}, "
+                             f"{self.probe_max_batch}, {self.max_table_age}")
         if self.stable_refresh < self.refresh or self.settled_stable_refresh < self.settled_refresh:
             raise ValueError(f"stable_refresh must be >= refresh and settled_stable_refresh >= settled_refresh, got "
                              f"{self.stable_refresh} < {self.refresh} or {self.settled_stable_refresh} < "
@@ -264,8 +277,10 @@ class AdaptiveController:
         self.estimates = Estimates(self.methods, cost_model, s, alpha_priors)
         self._probing: tuple[Decision, int] | None = None  # a probe burst in progress: (option, steps left)
         self._tables: dict[int, _Table] = {}  # per batch key
+        self._key_steps: Counter[int] = Counter()  # per batch key, the steps that ran there (tables' clocks)
         self._held: _Held | None = None  # the last argmax, while it stands (`decide`'s fast path)
         self._surprised = False  # the last step cost far from its prediction (`observe`)
+        self._measured = False  # every option has been measured (`_unmeasured`)
         # records not folded yet, with their CPU seconds and the step that ran them
         self._pending: list[tuple[StepRecord, float | None, int]] = []
         self._clock = StepClock(s.clock)
@@ -294,7 +309,8 @@ class AdaptiveController:
     def _table(self, batch: int) -> _Table:
         key = batch_key(batch)
         cached = self._tables.get(key)
-        if cached is not None and self.steps < cached.until:
+        at = self._key_steps[key]
+        if cached is not None and self._current(cached, at):
             return cached
         if self._pending:
             self._fold()
@@ -325,8 +341,12 @@ class AdaptiveController:
             period = min(max(cached.period, s.refresh) * 2, s.stable_refresh)
         else:
             period = s.refresh
-        table = self._tables[key] = _Table(self.steps, self.steps + period, out, plain, optimistic)
+        table = self._tables[key] = _Table(at, at + period, out, plain, self.steps, optimistic)
         return table
+
+    def _current(self, table: _Table, at: int) -> bool:
+        """Whether `table` still stands at its batch key's step `at`."""
+        return at < table.until and self.steps - table.born < self.settings.max_table_age
 
     def choose(self, batch: int) -> Decision:
         """The argmax with hysteresis (no probes): what the policy exploits at this batch size."""
@@ -359,9 +379,10 @@ class AdaptiveController:
         if batch > s.probe_max_batch:
             self._probing = None
             return None
-        for m in self.methods:  # proposers without a draft cost or enough acceptance evidence come first
-            if not costs.knows(m) or self.estimates.evidence(m) < MIN_TRIED:
-                return Decision(m, s.gamma)
+        if not self._measured:  # proposers without a draft cost or enough acceptance evidence come first
+            for m in self.methods:
+                if not costs.knows(m) or self.estimates.evidence(m) < MIN_TRIED:
+                    return Decision(m, s.gamma)
         if self._probing is not None:
             option, left = self._probing
             self._probing = (option, left - 1) if left > 1 else None
@@ -383,10 +404,16 @@ class AdaptiveController:
         return option
 
     def _unmeasured(self) -> bool:
-        """Whether an option has yet to be measured: plain decoding, or a proposer's cost or acceptance."""
+        """Whether an option has yet to be measured: plain decoding, or a proposer's cost or acceptance. Once all
+        are, they stay so (a cost is never forgotten, and decayed evidence never falls back under `MIN_TRIED`: a
+        record of t tried tokens keeps exp(-t / alpha_memory) of it and adds t, which shrinks it only above
+        ~`alpha_memory` tokens), and it is read on every step that is not held."""
+        if self._measured:
+            return False
         costs = self.estimates.costs
-        return costs is None or any(not costs.knows(m) or self.estimates.evidence(m) < MIN_TRIED
-                                    for m in self.methods)
+        self._measured = costs is not None and all(costs.knows(m) and self.estimates.evidence(m) >= MIN_TRIED
+                                                   for m in self.methods)
+        return not self._measured
 
     def _neighbour(self) -> Decision | None:
         """Every `neighbour` steps, the running proposer at the draft length next to the argmax's, longer and
@@ -420,6 +447,8 @@ class AdaptiveController:
         s = self.settings
         self.steps += 1
         held = self._held
+        self._key_steps[held.key if held is not None and held.batch == active_batch_size
+                        else batch_key(active_batch_size)] += 1
         if held is not None and self.steps < held.until and self.current is held.decision \
                 and self._probing is None and self._tables.get(held.key) is held.table \
                 and (held.batch == active_batch_size or (held := self._carry(held, active_batch_size)) is not None):
@@ -518,7 +547,7 @@ class AdaptiveController:
             return None
         key = batch_key(batch)
         table = self._tables.get(key)
-        if table is None or not table.settled or self.steps >= table.until:
+        if table is None or not table.settled or not self._current(table, self._key_steps[key]):
             return None
         until = self._until(table, batch, False)
         if self.steps >= until:
@@ -534,7 +563,8 @@ class AdaptiveController:
     def _until(self, table: _Table, batch: int, speculative: bool) -> int:
         """The step a hold at this batch size ends: its table's refresh, or the next step a probe (or, while a
         proposer runs, a neighbour step) may start."""
-        until = table.until
+        until = self.steps + min(table.until - self._key_steps[batch_key(batch)],
+                                 table.born + self.settings.max_table_age - self.steps)
         if batch <= self.settings.probe_max_batch:
             for period in (self.settings.probe_period, self.settings.neighbour if speculative else 0):
                 if period:

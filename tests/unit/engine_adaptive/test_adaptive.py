@@ -715,6 +715,37 @@ def test_a_table_the_recomputations_confirm_stands_longer_and_a_change_still_sho
         AdaptiveSettings(refresh=16, stable_refresh=8)
 
 
+def test_a_table_lives_in_the_steps_at_its_batch_size_and_at_most_max_table_age_steps() -> None:
+    # A rollout's tail visits most batch sizes for a step or two, dozens of steps apart: counted in all steps, each
+    # visit found its table expired and computed one. Here batch 2 runs 30 steps between single steps at batch 9.
+    for age, expect in ((512, 1), (64, 3)):
+        machine = Machine({"draft_model": 0.85}, {"draft_model": 0.2}, seed=5)
+        ctrl = AdaptiveController(["draft_model"], cost_model=calibrated(machine, ["draft_model"]),
+                                  alpha_priors={"draft_model": 0.85},
+                                  settings=AdaptiveSettings(probe=0.0, neighbour=0, max_table_age=age))
+        computed: list[int] = []
+        compute = ctrl._table
+
+        def counted(batch: int, ctrl: AdaptiveController = ctrl, compute: Any = compute,
+                    computed: list[int] = computed) -> Any:
+            before = ctrl._tables.get(batch)
+            table = compute(batch)
+            if table is not before and batch == 9:
+                computed.append(ctrl.steps)
+            return table
+
+        ctrl._table = counted  # type: ignore[method-assign]
+        for visit in range(7):  # 7 steps at batch 9, under `refresh`
+            for _ in range(30):
+                d = ctrl.decide(2)
+                ctrl.observe(d, machine.step(d, 2))
+            d = ctrl.decide(9)
+            ctrl.observe(d, machine.step(d, 9))
+        assert len(computed) == expect, computed  # age 64: visits 31 steps apart, every third one computes
+    with pytest.raises(ValueError, match="max_table_age"):
+        AdaptiveSettings(max_table_age=0)
+
+
 def hopeless_ngram() -> tuple[Machine, AdaptiveController]:
     """n-gram at α=0.1 where verifying costs like the tiny model's: plain decoding wins at every batch size by more
     than 25 points more acceptance could make up (every table is settled)."""

@@ -69,6 +69,12 @@ def test_quick_bench_writes_all_keys(tmp_path: Path) -> None:
     assert r["adaptive"]["vs_best_fixed"]["best_fixed"] in names and r["adaptive"]["vs_best_fixed"]["ratio"] > 0
     mix = r["common_mix"]
     assert mix["best_fixed"] in names and mix["buckets"] and len(mix["reference_tokens"]) == len(mix["buckets"])
+    assert set(mix["tokens_per_cpu_s_by_bucket"]) == {*names, "adaptive"}
+    assert all(len(v) == len(mix["buckets"]) for v in mix["tokens_per_cpu_s_by_bucket"].values())
+    # the policy's own CPU time, beside a fixed configuration's (a constant choice: next to nothing)
+    ada, plain = r["adaptive"], next(c for c in r["configs"] if c["name"] == "ar")
+    assert 0 <= plain["policy_us_per_step"] < ada["policy_us_per_step"] and 0 < ada["policy_cpu_share"] < 1
+    assert sum(t for run in ada["runs_by_batch"] for t, _ in run.values()) > 0
     assert r["targets"]["adaptive_vs_best_fixed"]["value"] == mix["adaptive_vs_best_fixed"]["ratio"] > 0
     assert mix["adaptive_vs_held_out_best"] is None and mix["held_out_best_per_repeat"] == []  # one repeat
     assert mix["fixed_on_other_texts"]["ratios"] == []  # the control runs from the second repeat on
