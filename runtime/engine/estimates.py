@@ -293,15 +293,28 @@ class Estimates:
         return base
 
     def _verify_base_at(self, b: int) -> dict[int, float] | None:
-        """The calibration's verify seconds at batch b for every length it knows, the plain step as length 1
-        (interpolated between calibrated batch sizes; None without a calibrated verification)."""
+        """The calibration's verify seconds at batch b for every length it knows and every length the policy may
+        verify (γ+1 for each of its γ: linear in tokens between the calibrated ones, the plain step as length 1),
+        interpolated between calibrated batch sizes; None without a calibrated verification.
+
+        Every length the policy may verify, not only the calibrated ones: a length outside the base was priced by
+        its own samples alone, and the lengths the policy does not run are timed only now and then (its neighbour
+        steps), so one slow moment set their price until the next: at batch 1 (bench model, AMX Xeon) 8 tokens stood
+        at 1.89 plain steps and 6 at 1.24, the policy ran γ=4-5 at 0.90x fixed γ=6, and γ=7 and γ=8 ran 1.03x and
+        1.05x γ=6 beside it. In the base, every length moves with its batch size's level (`pooled_lengths`)."""
         base = self._verify_base.get(b)
         if base is None:
             cal = self._calibrated
             if cal is None or not cal.verify_step:
                 return None
-            lengths = sorted({k for by_k in cal.verify_step.values() for k in by_k} | {1})
-            base = self._verify_base[b] = cal.verify_seconds(b, lengths)
+            timed = sorted({k for by_k in cal.verify_step.values() for k in by_k} | {1})
+            # below the shortest timed verification a length stays between it and the plain step, as measured now
+            # (`CostModel.verify_ratios`): at a batch size past the calibrated ones the level's first sample is
+            # halved towards the calibration's (`pooled_lengths`), and 2 tokens from the base then cost less
+            # against the plain step just measured than the calibration says
+            shortest = min((k for k in timed if k > 1), default=1)
+            wanted = sorted(set(timed) | {g + 1 for g in self.settings.gammas() if g + 1 > shortest})
+            base = self._verify_base[b] = verify_line(cal.verify_seconds(b, timed), wanted)
         return base
 
     def _level(self, key: tuple, ratio: float) -> None:
@@ -389,6 +402,30 @@ def shrunk_plain(own: float, samples: int, target_step: Mapping[int, float], bat
     if not others or not min(others) < batch < max(others):  # beyond the others' range a prior would extrapolate
         return own
     return (samples * own + PLAIN_PRIOR * interp_log_batch(others, batch)) / (samples + PLAIN_PRIOR)
+
+
+def verify_line(timed: Mapping[int, float], lengths: Sequence[int]) -> dict[int, float]:
+    """Verify seconds at every k in `lengths` from the calibration's at the lengths it timed (`timed`, the plain
+    step as k = 1): the plain step itself at k = 1, and from k = 2 on the least-squares line through the timed
+    lengths from 2 on, never falling with k (with fewer than two of them, linear between the timed points).
+
+    Why a line: the calibration times a few steps per length, and read point to point its noise set the shape over
+    lengths (at batch 1 on the bench model: 3 / 5 / 7 tokens at 1.25 / 1.33 / 1.32 plain steps in one run, 1.11 /
+    1.13 / 1.23 in another), and extended past the longest timed length its last segment's slope, noise included,
+    priced 9 tokens at 2.2 plain steps where fixed γ=8 ran 1.07x γ=6. A verification's cost is close to affine in
+    its tokens over these few lengths (the weights are read once whatever k; each token adds its rows)."""
+    points = sorted((k, x) for k, x in timed.items() if k >= 2)
+    if len(points) < 2:
+        ks = sorted(timed)
+        return {k: linear_in_tokens(timed, k, ks) for k in lengths}
+    n = len(points)
+    mk = sum(k for k, _ in points) / n
+    mx = sum(x for _, x in points) / n
+    slope = max(sum((k - mk) * (x - mx) for k, x in points) / sum((k - mk) ** 2 for k, _ in points), 0.0)
+    out = {k: mx + slope * (k - mk) for k in lengths}
+    if 1 in timed and 1 in out:
+        out[1] = timed[1]
+    return out
 
 
 def rescale_unmeasured(current: Mapping[int, float], base: Mapping[int, float], measured: Collection[int],
