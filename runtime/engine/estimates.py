@@ -7,7 +7,8 @@ from the engine's step records.
   `horizon` steps only (the policy's plain rechecks keep it current: every forward's cost grows with the rows'
   contexts), and where it never ran at a batch size, the calibration's scaled by the level of the verifications
   there (`_pool_verify`). The verify and draft costs of one batch size are pooled over its lengths
-  (`pooled_lengths`): each length's estimate is its calibrated cost times the batch size's level (what every length
+  (`pooled_lengths`): each length's estimate (the verifier's: every length the policy may verify, on the line
+  through the calibration's, `verify_line`) is its calibrated cost times the batch size's level (what every length
   there costs now against the calibration, plain steps included for the verifier) and, as it gathers samples of its
   own, its own ratio (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and
   per length a single sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length
@@ -293,9 +294,10 @@ class Estimates:
         return base
 
     def _verify_base_at(self, b: int) -> dict[int, float] | None:
-        """The calibration's verify seconds at batch b for every length it knows and every length the policy may
-        verify (γ+1 for each of its γ: linear in tokens between the calibrated ones, the plain step as length 1),
-        interpolated between calibrated batch sizes; None without a calibrated verification.
+        """The calibration's verify seconds at batch b for every length it timed and every longer length the policy
+        may verify (γ+1 for each of its γ), on the least-squares line through the timed ones (`verify_line`; the
+        plain step as length 1), interpolated between calibrated batch sizes; None without a calibrated
+        verification.
 
         Every length the policy may verify, not only the calibrated ones: a length outside the base was priced by
         its own samples alone, and the lengths the policy does not run are timed only now and then (its neighbour
