@@ -37,6 +37,7 @@ HANDLERS: dict[str, str] = {
     "bench rollout": "specrl.runtime.bench.rollout:main",
     "bench sync": "specrl.runtime.bench.sync:main",
     "bench prefetch": "specrl.runtime.bench.prefetch:main",
+    "bench policy": "specrl.runtime.bench.policy:main",
     "simulate": "specrl.runtime.sim.cli:main",
     "worker": "specrl.runtime.worker:main",
     "export": "specrl.runtime.models.export:main",
@@ -44,7 +45,7 @@ HANDLERS: dict[str, str] = {
 
 # Subcommands that need the `runtime` extra; checked before the handler is imported, so that a base install
 # gets one line instead of an ImportError from deep inside.
-RUNTIME_COMMANDS = frozenset({"run", "bench rollout", "bench sync", "bench prefetch", "worker"})
+RUNTIME_COMMANDS = frozenset({"run", "bench rollout", "bench sync", "bench prefetch", "bench policy", "worker"})
 # Top-level modules of the runtime extra (pyproject.toml [project.optional-dependencies] runtime).
 RUNTIME_MODULES = ("torch", "transformers", "safetensors", "ray", "scipy", "matplotlib")
 RUNTIME_HINT = "install the runtime extra: pip install 'specrl[runtime]'"
@@ -180,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     which = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
     for name, text in (("rollout", "speculative rollout engine vs plain decoding and HF generate"),
                        ("sync", "weight sync between two processes vs loopback TCP"),
-                       ("prefetch", "the engine's one-row weight prefetch on vs off, by the weights' size")):
+                       ("prefetch", "the engine's one-row weight prefetch on vs off, by the weights' size"),
+                       ("policy", "the adaptive policy's own cost on the long tail: it and its shadow vs fixed γ=6")):
         b = _command(which, name, text, "Prints a table; --json writes every measurement.")
         b.add_argument("--quick", action="store_true", help="smaller workload, for smoke tests")
         b.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
@@ -194,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
             b.add_argument("--seed", type=int, default=None, metavar="N",
                            help="first sampling seed of the engine runs (default: the workload's); a fixed "
                                 "configuration samples the same texts whenever the seed is the same")
+        if name == "policy":
+            b.add_argument("--ring", action="store_true",
+                           help="the rollout benchmark's other fixed configurations join the lockstep ring")
+            b.add_argument("--serving", action="store_true",
+                           help="the serving shape runs between repeats on the same controllers")
         if name == "prefetch":
             b.add_argument("--model", default="builtin:smollm2-135m", metavar="NAME",
                            help="the checkpoint cut to its first N layers (default: %(default)s)")

@@ -1,0 +1,171 @@
+"""`specrl bench policy [--quick] [--repeats N] [--ring] [--serving] [--json FILE]`: what the adaptive policy itself
+costs on the long-tail workload.
+
+The long-tail workload of `specrl bench rollout` alone (its models, prompts, sampling seeds and calibration), in
+lockstep: plain decoding, draft_model γ=4 and γ=6, the adaptive policy, and the policy's **shadow**: fixed γ=6 with
+a policy deciding (and learning) beside it, its decisions discarded, so that only the policy's own cost separates
+the shadow from γ=6 (its texts are γ=6's: the same seeds, the same choices). Where the policy trails γ=6 and its
+shadow does too, the policy's cost is the gap; where the shadow is at par, its choices are.
+
+`--ring`: the rollout benchmark's other fixed configurations join the lockstep ring (ten engines, as there: each
+50 ms slice finds every cache colder). `--serving`: between repeats the serving shape (a queue refilling 16 slots)
+runs on the same controllers, as `bench rollout` runs it on its policy. Measured on this session's Xeon: with both,
+the policy read 0.94x γ=6, its figure in `bench rollout`; with neither, 1.00x.
+
+Reported on the common token mix (`rollout.mix_rates`: the plain runs' tokens per batch-size bucket, each timed at
+the configuration's own rate there): each configuration against γ=6, pooled and per repeat, and per bucket; and
+the controller's own CPU time per decode step (`rollout.Timeline`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine.adaptive import AdaptiveController, AdaptiveSettings
+from ..engine.calibration import calibrate
+from ..engine.control import Decision, FixedController, StepRecord
+from . import rollout as R
+
+REFERENCE = "draft_model-g6"
+CORE = ("ar", "draft_model-g4", REFERENCE)
+
+
+class Shadow:
+    """Fixed `decision` at every step, with `policy` deciding and learning beside it (its choice discarded)."""
+
+    def __init__(self, policy: AdaptiveController, decision: Decision) -> None:
+        self.policy = policy
+        self.decision = decision
+
+    def decide(self, active_batch_size: int) -> Decision:
+        self.policy.decide(active_batch_size)
+        return self.decision
+
+    def observe(self, decision: Decision, record: StepRecord) -> None:
+        self.policy.observe(decision, record)
+
+    def warm_proposers(self, active_batch_size: int) -> list[str]:
+        self.policy.warm_proposers(active_batch_size)
+        return [self.decision.method] if self.decision.method else []
+
+    def stats(self) -> dict[str, Any]:
+        return self.policy.stats()
+
+
+def run(quick: bool, repeats: int, ring: bool, serving: bool, progress: Callable[[str], None],
+        advance: Callable[[], None]) -> dict[str, Any]:
+    plan = R.Plan.make(quick, repeats)
+    models = R.load_models(quick, progress)
+    engine, available, _ = R.build_engine(models, progress)
+    if "draft_model" not in available:
+        raise ValueError(f"the draft model proposer could not be built (available: {available})")
+    prompts = R.workload(plan.prompts)
+    progress("calibrating the cost model")
+    cal = calibrate(engine, prompts, methods=available, batch_sizes=plan.calibration_batch_sizes,
+                    rounds=plan.calibration_rounds, steps=3 if quick else 10, clock=R.CLOCK, progress=progress)
+
+    def policy() -> AdaptiveController:
+        return AdaptiveController(available, cost_model=cal.cost_model, alpha_priors=cal.alpha,
+                                  settings=AdaptiveSettings(clock=R.CLOCK))
+
+    fixed = {name: (m, g) for name, m, g in R.FIXED_CONFIGS
+             if (ring or name in CORE) and (m is None or m in available)}
+    learners = {"adaptive": policy(), "shadow": Shadow(policy(), Decision("draft_model", 6))}
+    progress("building an engine per configuration")
+    engines = {name: R.engine_like(models, available) for name in [*fixed, *learners]}
+    runs: dict[str, list[R.RunResult]] = {name: [] for name in engines}
+    for r in range(repeats):
+        params = R.sampling(len(prompts), plan.max_new_tokens, models.eos_id, offset=1000 * r, seed=plan.seed)
+        controllers: dict[str, Any] = {name: FixedController(m, g) for name, (m, g) in fixed.items()}
+        controllers.update(learners)
+        progress(f"long-tail workload, repeat {r + 1}/{repeats}: {len(controllers)} configurations in lockstep")
+        for name, x in R.side_by_side(engines, controllers, prompts, params, rotate=r,
+                                      step_size=R.ROLLOUT_STEP).items():
+            runs[name].append(x)
+        if serving:
+            progress(f"serving shape, repeat {r + 1}/{repeats}")
+            R.side_by_side(engines, {"ar": FixedController(None), **learners}, prompts, params, rotate=r)
+        advance()
+    return summarize(runs, fixed, repeats, {"ring": ring, "serving": serving, "quick": quick,
+                                            "machine": R.machine_info(engine, None),
+                                            "calibration": cal.summary()})
+
+
+def summarize(runs: dict[str, list[R.RunResult]], fixed: dict[str, Any], repeats: int,
+              info: dict[str, Any]) -> dict[str, Any]:
+    """Every configuration against γ=6 on the common token mix: pooled, per repeat and per bucket."""
+    pooled = R.mix_rates(runs, "ar")
+    per_repeat = [R.mix_rates({n: rs[r:r + 1] for n, rs in runs.items()}, "ar")["tokens_per_cpu_s"]
+                  for r in range(repeats)]
+    rates, buckets = pooled["tokens_per_cpu_s"], pooled["tokens_per_cpu_s_by_bucket"]
+    rows = {}
+    for name, rs in runs.items():
+        ratios = [p[name] / p[REFERENCE] for p in per_repeat if p[name] and p[REFERENCE]]
+        rows[name] = {
+            "tokens_per_cpu_s": rates[name],
+            "tokens": [x.tokens for x in rs],  # per repeat (the shadow's are γ=6's: the same texts)
+            "vs_reference": rates[name] / rates[REFERENCE] if rates[name] and rates[REFERENCE] else None,
+            "vs_reference_per_repeat": [round(x, 3) for x in ratios],
+            "vs_reference_median": statistics.median(ratios) if ratios else None,
+            "vs_reference_by_bucket": [round(a / b, 3) if b else None
+                                       for a, b in zip(buckets[name], buckets[REFERENCE])],
+            "policy_us_per_step": R.med([1e6 * x.policy_cpu_seconds / x.steps for x in rs if x.steps]),
+            "policy_cpu_share": R.med([x.policy_cpu_seconds / x.cpu_seconds for x in rs if x.cpu_seconds]),
+        }
+    return {**info, "repeats": repeats, "reference": REFERENCE, "configurations": list(runs),
+            "fixed": list(fixed), "buckets": pooled["buckets"], "reference_tokens": pooled["reference_tokens"],
+            "rows": rows}
+
+
+def _table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    buckets = " / ".join(f"{lo}" if lo == hi else f"{lo}–{hi}" for lo, hi in result["buckets"])
+    t = Table(title=f"long-tail workload vs {result['reference']} (common token mix, {result['repeats']} repeats"
+                    f"{', ring of ten' if result['ring'] else ''}{', serving between repeats' if result['serving'] else ''})")
+    for col in ("configuration", "tok/CPU-s", "vs γ=6", "per repeat", f"by batch ({buckets})", "µs/step"):
+        t.add_column(col)
+
+    def f(x: float | None, nd: int = 3) -> str:
+        return "n/a" if x is None else f"{x:.{nd}f}"
+
+    for name, row in result["rows"].items():  # the names as `bench rollout` prints them
+        per = row["vs_reference_per_repeat"]
+        t.add_row(name, f(row["tokens_per_cpu_s"], 1), f(row["vs_reference"]),
+                  f"{f(row['vs_reference_median'], 2)} ({f(min(per) if per else None, 2)}–"
+                  f"{f(max(per) if per else None, 2)})",
+                  " / ".join(f(x, 2) for x in row["vs_reference_by_bucket"]), f(row["policy_us_per_step"], 0))
+    return t
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    quick = bool(getattr(args, "quick", False))
+    repeats = getattr(args, "repeats", None) or (1 if quick else 12)
+    torch.set_num_threads(R.bench_threads())
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("loading", total=repeats)
+        try:
+            result = run(quick, repeats, bool(getattr(args, "ring", False)), bool(getattr(args, "serving", False)),
+                         lambda msg: bar.update(task, description=msg), lambda: bar.advance(task))
+        except ValueError as exc:
+            print(f"specrl bench policy: {exc}", file=sys.stderr)
+            return 2
+    out = Console()
+    out.print(_table(result))
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+        out.print(f"wrote {args.json}")
+    return 0
