@@ -9,8 +9,9 @@ shadow does too, the policy's cost is the gap; where the shadow is at par, its c
 
 `--ring`: the rollout benchmark's other fixed configurations join the lockstep ring (ten engines, as there: each
 50 ms slice finds every cache colder). `--serving`: between repeats the serving shape (a queue refilling 16 slots)
-runs on the same controllers, as `bench rollout` runs it on its policy. Measured on this session's Xeon: with both,
-the policy read 0.94x γ=6, its figure in `bench rollout`; with neither, 1.00x.
+runs on the same controllers, as `bench rollout` runs it on its policy. Measured on the AMX Xeon (480 MiB L3): with
+neither, the policy read 1.00x γ=6 over 12 repeats; with both (8 repeats), 0.955x, near its 0.93-0.95x in
+`bench rollout`, and its shadow 1.005x: there the policy's choices lose, not its cost.
 
 Reported on the common token mix (`rollout.mix_rates`: the plain runs' tokens per batch-size bucket, each timed at
 the configuration's own rate there): each configuration against γ=6, pooled and per repeat, and per bucket; and
