@@ -149,18 +149,15 @@ def _table(result: dict[str, Any]) -> Any:
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     quick = bool(getattr(args, "quick", False))
     repeats = getattr(args, "repeats", None) or (1 if quick else 12)
     torch.set_num_threads(R.bench_threads())
-    console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task("loading", total=repeats)
+    R.quiet_transformers()
+    with R.progress_bar(repeats, "loading") as (describe, advance, _):
         try:
             result = run(quick, repeats, bool(getattr(args, "ring", False)), bool(getattr(args, "serving", False)),
-                         lambda msg: bar.update(task, description=msg), lambda: bar.advance(task))
+                         describe, advance)
         except ValueError as exc:
             print(f"specrl bench policy: {exc}", file=sys.stderr)
             return 2

@@ -25,7 +25,7 @@ import torch
 from ..engine import RolloutEngine, SamplingParams, cpu_kernels
 from ..engine.model_runner import decoder_of
 from ..rl.significance import ratio_interval
-from .rollout import REAL_PROMPTS, bench_threads, machine_info
+from .rollout import REAL_PROMPTS, bench_threads, machine_info, progress_bar, quiet_transformers
 
 AHEAD = 8192  # the one distance the kernels were tuned at (see `cpu_kernels.prefetch_distance`)
 DEFAULT_LAYERS = (1, 3, 5, 7, 9, 11, 14, 18)  # and the whole model: SmolLM2 from 1.9x to 8x a 32 MiB L3
@@ -128,26 +128,14 @@ def _table(result: dict[str, Any]) -> Any:
 
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     quick = bool(getattr(args, "quick", False))
     rounds = getattr(args, "repeats", None) or (2 if quick else 20)
     torch.set_num_threads(bench_threads())
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
-    console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task("loading", total=None)
+    quiet_transformers()
+    with progress_bar(None, "loading") as (describe, advance, set_total):
         try:
-            result = run(args.model, getattr(args, "layers", None), quick, rounds,
-                         lambda msg: bar.update(task, description=msg), lambda: bar.advance(task),
-                         lambda total: bar.update(task, total=total))
+            result = run(args.model, getattr(args, "layers", None), quick, rounds, describe, advance, set_total)
         except ValueError as exc:
             print(f"specrl bench prefetch: {exc}", file=sys.stderr)
             return 2

@@ -1297,9 +1297,35 @@ def _targets_table(result: dict[str, Any]) -> Any:
     return t
 
 
-def main(args: argparse.Namespace) -> int:
+def quiet_transformers() -> None:
+    """No "Loading weights" bars from `transformers` (they would interleave with the benchmark's own)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+@contextlib.contextmanager
+def progress_bar(total: int | None, description: str = "starting"
+                 ) -> Iterator[tuple[Callable[[str], None], Callable[[], None], Callable[[int], None]]]:
+    """A benchmark's progress bar on stderr (off when stderr is not a terminal): yields (describe, advance,
+    set_total)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task(description, total=total)
+        yield (lambda msg: bar.update(task, description=msg), lambda: bar.advance(task),
+               lambda n: bar.update(task, total=n))
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
 
     repeats = getattr(args, "repeats", None)
     if repeats is not None and repeats < 1:
@@ -1308,22 +1334,12 @@ def main(args: argparse.Namespace) -> int:
     plan = Plan.make(bool(getattr(args, "quick", False)), repeats, getattr(args, "seed", None))
     threads = bench_threads()
     torch.set_num_threads(threads)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with ours
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
-    console = Console(stderr=True)
+    quiet_transformers()
     model_name = getattr(args, "model", None)
     if model_name:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      console=console, transient=True, disable=not console.is_terminal) as bar:
-            task = bar.add_task("starting", total=plan.repeats)
+        with progress_bar(plan.repeats) as (describe, advance, _):
             try:
-                real = run_real(model_name, plan, lambda msg: bar.update(task, description=msg),
-                                lambda: bar.advance(task))
+                real = run_real(model_name, plan, describe, advance)
             except ValueError as exc:
                 print(f"specrl bench rollout: {exc}", file=sys.stderr)
                 return 2
@@ -1332,10 +1348,8 @@ def main(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(real, indent=2, default=_json_default))
         return 0
     total = 1 + 3 * plan.repeats + 1  # calibration, then per repeat: long tail, sweep, batch 1; lossless
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task("starting", total=total)
-        result = run(plan, lambda msg: bar.update(task, description=msg), lambda: bar.advance(task))
+    with progress_bar(total) as (describe, advance, _):
+        result = run(plan, describe, advance)
     out = Console()
     out.print(_table(result))
     out.print(f"engine bs1: AR {result['engine_bs1']['ar_tokens_per_s']:.1f} tok/s "

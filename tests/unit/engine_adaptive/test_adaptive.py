@@ -672,6 +672,22 @@ def test_a_held_choice_defers_its_records_and_loses_none() -> None:
     assert lazy.stats() == eager.stats()
 
 
+def tables_computed(ctrl: AdaptiveController) -> list[tuple[int, int, int]]:
+    """(batch, step, period) of every table `ctrl` computes from now on (not of the ones it reads while they
+    stand), appended as they are computed."""
+    compute, computed = ctrl._table, []
+
+    def counted(batch: int) -> Any:
+        before = ctrl._tables.get(batch)
+        table = compute(batch)
+        if table is not before:
+            computed.append((batch, ctrl.steps, table.period))
+        return table
+
+    ctrl._table = counted  # type: ignore[method-assign]
+    return computed
+
+
 def test_a_table_the_recomputations_confirm_stands_longer_and_a_change_still_shows() -> None:
     # Computing a table (and folding the records it reads) cost 2.5% of the decode time at batch 2 when it ran every
     # `refresh` steps: each recomputation that names the leader of the table before it doubles the steps until the
@@ -684,23 +700,13 @@ def test_a_table_the_recomputations_confirm_stands_longer_and_a_change_still_sho
         ctrl = AdaptiveController(["draft_model"], cost_model=calibrated(machine, ["draft_model"]),
                                   alpha_priors={"draft_model": 0.85},
                                   settings=AdaptiveSettings(probe=0.0, neighbour=0, stable_refresh=stable))
-        computed: list[int] = []
-        compute = ctrl._table
-
-        def counted(batch: int, ctrl: AdaptiveController = ctrl, compute: Any = compute,
-                    computed: list[int] = computed) -> Any:
-            before = ctrl._tables.get(batch)
-            table = compute(batch)
-            if table is not before:
-                computed.append(table.period)
-            return table
-
-        ctrl._table = counted  # type: ignore[method-assign]
+        tables = tables_computed(ctrl)
         for _ in range(300):
             d = ctrl.decide(2)
             ctrl.observe(d, machine.step(d, 2))
         assert is_speculative(ctrl.current)
         if stable == 32:
+            computed = [period for _, _, period in tables]
             assert set(computed) == {8, 16, 32} and computed[-4:] == [32] * 4 and len(computed) < 300 / 16, computed
         machine.alpha["draft_model"] = 0.0
         ran = []
@@ -723,24 +729,14 @@ def test_a_table_lives_in_the_steps_at_its_batch_size_and_at_most_max_table_age_
         ctrl = AdaptiveController(["draft_model"], cost_model=calibrated(machine, ["draft_model"]),
                                   alpha_priors={"draft_model": 0.85},
                                   settings=AdaptiveSettings(probe=0.0, neighbour=0, max_table_age=age))
-        computed: list[int] = []
-        compute = ctrl._table
-
-        def counted(batch: int, ctrl: AdaptiveController = ctrl, compute: Any = compute,
-                    computed: list[int] = computed) -> Any:
-            before = ctrl._tables.get(batch)
-            table = compute(batch)
-            if table is not before and batch == 9:
-                computed.append(ctrl.steps)
-            return table
-
-        ctrl._table = counted  # type: ignore[method-assign]
+        tables = tables_computed(ctrl)
         for visit in range(7):  # 7 steps at batch 9, under `refresh`
             for _ in range(30):
                 d = ctrl.decide(2)
                 ctrl.observe(d, machine.step(d, 2))
             d = ctrl.decide(9)
             ctrl.observe(d, machine.step(d, 9))
+        computed = [step for batch, step, _ in tables if batch == 9]
         assert len(computed) == expect, computed  # age 64: visits 31 steps apart, every third one computes
     with pytest.raises(ValueError, match="max_table_age"):
         AdaptiveSettings(max_table_age=0)
