@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the rollout benchmark's other fixed configurations join the lockstep ring")
             b.add_argument("--serving", action="store_true",
                            help="the serving shape runs between repeats on the same controllers")
+            b.add_argument("--by-batch", action="store_true",
+                           help="also print the long tail per batch size: each configuration's rate, what the "
+                                "policy ran, its cost per step")
         if name == "prefetch":
             b.add_argument("--model", default="builtin:smollm2-135m", metavar="NAME",
                            help="the checkpoint cut to its first N layers (default: %(default)s)")

@@ -1,5 +1,5 @@
-"""`specrl bench policy [--quick] [--repeats N] [--ring] [--serving] [--json FILE]`: what the adaptive policy itself
-costs on the long-tail workload.
+"""`specrl bench policy [--quick] [--repeats N] [--ring] [--serving] [--by-batch] [--json FILE]`: what the adaptive
+policy itself costs on the long-tail workload, and where its choices lose.
 
 The long-tail workload of `specrl bench rollout` alone (its models, prompts, sampling seeds and calibration), in
 lockstep: plain decoding, draft_model γ=4 and γ=6, the adaptive policy, and the policy's **shadow**: fixed γ=6 with
@@ -13,6 +13,9 @@ runs on the same controllers, as `bench rollout` runs it on its policy. Measured
 neither, the policy read 1.00x γ=6 over 12 repeats; with both (8 repeats), 0.955x, near its 0.93-0.95x in
 `bench rollout`, and its shadow 1.005x: there the policy's choices lose, not its cost.
 
+`--by-batch`: also print the long tail per batch size (every configuration's rate there, what the policy ran, its
+cost per step); the JSON always has it (`by_batch`).
+
 Reported on the common token mix (`rollout.mix_rates`: the plain runs' tokens per batch-size bucket, each timed at
 the configuration's own rate there): each configuration against γ=6, pooled and per repeat, and per bucket; and
 the controller's own CPU time per decode step (`rollout.Timeline`).
@@ -24,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,9 @@ class Shadow:
     def stats(self) -> dict[str, Any]:
         return self.policy.stats()
 
+    def decisions_by_batch_size(self) -> dict[int, dict[str, int]]:
+        return self.policy.decisions_by_batch_size()
+
 
 def run(quick: bool, repeats: int, ring: bool, serving: bool, progress: Callable[[str], None],
         advance: Callable[[], None]) -> dict[str, Any]:
@@ -79,25 +86,61 @@ def run(quick: bool, repeats: int, ring: bool, serving: bool, progress: Callable
 
     fixed = {name: (m, g) for name, m, g in R.FIXED_CONFIGS
              if (ring or name in CORE) and (m is None or m in available)}
-    learners = {"adaptive": policy(), "shadow": Shadow(policy(), Decision("draft_model", 6))}
+    learners: dict[str, AdaptiveController | Shadow] = {
+        "adaptive": policy(), "shadow": Shadow(policy(), Decision("draft_model", 6))}
     progress("building an engine per configuration")
     engines = {name: R.engine_like(models, available) for name in [*fixed, *learners]}
     runs: dict[str, list[R.RunResult]] = {name: [] for name in engines}
+    # what each learner chose per batch size on the long tail (the shadow's: what its policy would have run)
+    chosen: dict[str, dict[int, Counter[str]]] = {name: {} for name in learners}
     for r in range(repeats):
         params = R.sampling(len(prompts), plan.max_new_tokens, models.eos_id, offset=1000 * r, seed=plan.seed)
         controllers: dict[str, Any] = {name: FixedController(m, g) for name, (m, g) in fixed.items()}
         controllers.update(learners)
         progress(f"long-tail workload, repeat {r + 1}/{repeats}: {len(controllers)} configurations in lockstep")
+        before = {name: _decisions(c) for name, c in learners.items()}
         for name, x in R.side_by_side(engines, controllers, prompts, params, rotate=r,
                                       step_size=R.ROLLOUT_STEP).items():
             runs[name].append(x)
+        for name, c in learners.items():
+            for b, counts in _decisions(c).items():
+                chosen[name].setdefault(b, Counter()).update(counts - before[name].get(b, Counter()))
         if serving:
             progress(f"serving shape, repeat {r + 1}/{repeats}")
             R.side_by_side(engines, {"ar": FixedController(None), **learners}, prompts, params, rotate=r)
         advance()
-    return summarize(runs, fixed, repeats, {"ring": ring, "serving": serving, "quick": quick,
-                                            "machine": R.machine_info(engine, None),
-                                            "calibration": cal.summary()})
+    result = summarize(runs, fixed, repeats, {"ring": ring, "serving": serving, "quick": quick,
+                                              "machine": R.machine_info(engine, None),
+                                              "calibration": cal.summary()})
+    result["by_batch"] = by_batch(runs, chosen)
+    return result
+
+
+def _decisions(controller: AdaptiveController | Shadow) -> dict[int, Counter[str]]:
+    return {b: Counter(c) for b, c in controller.decisions_by_batch_size().items()}
+
+
+def by_batch(runs: dict[str, list[R.RunResult]], chosen: dict[str, dict[int, Counter[str]]]) -> list[dict[str, Any]]:
+    """Per batch size the long tail visited: every configuration's tokens per CPU-second there (pooled over
+    repeats), each learner's choices and decode steps there, and the policy's own CPU time per step there. The tail
+    visits most sizes for a step or two per rollout step, so these rest on a few dozen steps each: they show what a
+    bucket's ratio hides (a size where the policy decoded plainly while a fixed configuration ran 1.3x plain), not
+    a measurement to quote alone."""
+    sizes = sorted({b for rs in runs.values() for x in rs for b in x.by_batch})
+    out = []
+    for b in sizes:
+        rates = {}
+        for name, rs in runs.items():
+            tokens = sum(x.by_batch.get(b, [0.0, 0.0, 0.0])[0] for x in rs)
+            cpu = sum(x.by_batch.get(b, [0.0, 0.0, 0.0])[1] for x in rs)
+            rates[name] = tokens / cpu if cpu > 0 else None
+        steps = {name: sum(x.policy_by_batch.get(b, [0, 0.0])[0] for x in runs[name]) for name in chosen}
+        policy = {name: 1e6 * sum(x.policy_by_batch.get(b, [0, 0.0])[1] for x in runs[name]) / steps[name]
+                  if steps[name] else None for name in chosen}
+        out.append({"batch_size": b, "tokens_per_cpu_s": rates,
+                    "chosen": {name: dict(c.get(b, Counter()).most_common()) for name, c in chosen.items()},
+                    "steps": steps, "policy_us_per_step": policy})
+    return out
 
 
 def summarize(runs: dict[str, list[R.RunResult]], fixed: dict[str, Any], repeats: int,
@@ -147,6 +190,27 @@ def _table(result: dict[str, Any]) -> Any:
     return t
 
 
+def _batch_table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    rows = result["by_batch"]
+    names = [n for n in ("ar", "draft_model-g2", "draft_model-g4", REFERENCE, "adaptive", "shadow")
+             if n in result["rows"]]
+    t = Table(title="long tail per batch size (tok/CPU-s, pooled over repeats; a few dozen steps each)")
+    for col in ("batch", *names, "adaptive vs best fixed", "adaptive ran (top 3)", "µs/step"):
+        t.add_column(col)
+    for row in rows:
+        rates = row["tokens_per_cpu_s"]
+        best = max((v for k, v in rates.items() if k in result["fixed"] and v), default=None)
+        ours = rates.get("adaptive")
+        ran = ", ".join(f"{k} {n}" for k, n in list(row["chosen"].get("adaptive", {}).items())[:3])
+        us = row["policy_us_per_step"].get("adaptive")
+        t.add_row(str(row["batch_size"]), *("n/a" if rates.get(n) is None else f"{rates[n]:.0f}" for n in names),
+                  "n/a" if not best or ours is None else f"{ours / best:.2f}", ran,
+                  "n/a" if us is None else f"{us:.0f}")
+    return t
+
+
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -163,6 +227,8 @@ def main(args: argparse.Namespace) -> int:
             return 2
     out = Console()
     out.print(_table(result))
+    if getattr(args, "by_batch", False):
+        out.print(_batch_table(result))
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
         out.print(f"wrote {args.json}")

@@ -228,6 +228,8 @@ class Timeline:
         self.marks: list[tuple[float, int]] = []
         self.by_batch: dict[int, list[float]] = {}  # batch size -> [tokens, CPU seconds, wall seconds]
         self.policy_cpu = 0.0  # CPU seconds inside the controller's `decide` and `observe` (the policy's own cost)
+        self.policy_by_batch: dict[int, list[float]] = {}  # batch size -> [decode steps, the policy's CPU seconds]
+        self._step_policy = 0.0  # this step's share of `policy_cpu` so far (its `decide`)
         self.steps = 0
         self._start = (0.0, 0.0)
         self._waited = 0.0
@@ -246,14 +248,19 @@ class Timeline:
         cpu = self.cpu()
         self._start = (cpu, now)
         decision = self.inner.decide(active_batch_size)
-        self.policy_cpu += self.cpu() - cpu
+        self._step_policy = self.cpu() - cpu
+        self.policy_cpu += self._step_policy
         self.steps += 1
         return decision
 
     def observe(self, decision: Decision, record: StepRecord) -> None:
         cpu = self.cpu()
         self.inner.observe(decision, record)
-        self.policy_cpu += self.cpu() - cpu
+        spent = self.cpu() - cpu
+        self.policy_cpu += spent
+        policy = self.policy_by_batch.setdefault(record.batch_size, [0, 0.0])
+        policy[0] += 1
+        policy[1] += self._step_policy + spent
         row = self.by_batch.setdefault(record.batch_size, [0.0, 0.0, 0.0])
         row[0] += record.emitted_tokens
         row[1] += self.cpu() - self._start[0]
@@ -281,6 +288,7 @@ class RunResult:
     prefill_seconds: float = 0.0  # of `seconds`, admitting prompts: their prefill and first tokens
     policy_cpu_seconds: float = 0.0  # of `cpu_seconds`, in the controller's `decide` and `observe`
     steps: int = 0  # decode steps
+    policy_by_batch: dict[int, list[float]] = field(default_factory=dict)  # [decode steps, policy CPU s]
 
     @property
     def decode_tokens(self) -> int:
@@ -351,7 +359,7 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
                      forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=tail,
                      lengths=[len(o.token_ids) for o in outs], by_batch=timeline.by_batch,
                      prefill_seconds=s.prefill_seconds, policy_cpu_seconds=timeline.policy_cpu,
-                     steps=timeline.steps)
+                     steps=timeline.steps, policy_by_batch=timeline.policy_by_batch)
 
 
 @contextlib.contextmanager

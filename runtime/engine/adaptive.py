@@ -677,12 +677,17 @@ class AdaptiveController:
             "steps": self.steps,
             "probe_steps": self.probes,
             "neighbour_steps": self.neighbours,
-            "decisions_by_batch_size": {b: dict(c) for b, c in sorted(self._counts.items())},
+            "decisions_by_batch_size": self.decisions_by_batch_size(),
             "alpha": {m: round(a, 4) for m, a in self.estimates.alpha.items()},
             "stop_hazard_by_batch_size": {b: round(h, 4) for b, h in self.estimates.stop_hazards().items()},
             "acceptance_by_position": {m: [round(p, 3) for p in a] for m in self.methods
                                        if not isinstance(a := self.acceptance(m), float)},
         }
+
+    def decisions_by_batch_size(self) -> dict[int, dict[str, int]]:
+        """Per batch size, the steps each option ran (probes and neighbours included). Unlike `stats`, folds
+        nothing: a benchmark reads it between runs without moving the estimates."""
+        return {b: dict(c) for b, c in sorted(self._counts.items())}
 
     def per_batch_size_gamma(self, max_batch: int = 256) -> list[list[int]]:
         """vLLM's ``num_speculative_tokens_per_batch_size`` ([[start_bs, end_bs, K], ...], inclusive, K=0 off):

@@ -24,6 +24,15 @@ def test_bench_policy_quick_runs_the_shadow_as_gamma_6(tmp_path: Path) -> None:
     assert rows["adaptive"]["policy_us_per_step"] > 0 and 0 < rows["adaptive"]["policy_cpu_share"] < 1
     assert all(len(r["vs_reference_by_bucket"]) == len(result["buckets"]) for r in rows.values())
     assert any("serving shape" in s for s in seen) and result["serving"] and not result["ring"]
+    # per batch size: what each learner chose there adds up to the decode steps its runs timed there
+    sizes = [row["batch_size"] for row in result["by_batch"]]
+    assert sizes == sorted(sizes) and sizes[0] == 1
+    for row in result["by_batch"]:
+        assert set(row["tokens_per_cpu_s"]) == set(rows)
+        for name in ("adaptive", "shadow"):
+            assert sum(row["chosen"][name].values()) == row["steps"][name]
+            assert (row["policy_us_per_step"][name] is None) == (row["steps"][name] == 0)
+    assert sum(row["steps"]["adaptive"] for row in result["by_batch"]) > 0
     json.dumps(result, default=str)
 
 
@@ -31,7 +40,8 @@ def test_bench_policy_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     from specrl.runtime.cli import main
 
     out = tmp_path / "policy.json"
-    assert main(["bench", "policy", "--quick", "--ring", "--json", str(out)]) == 0
+    assert main(["bench", "policy", "--quick", "--ring", "--by-batch", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["ring"] and len(result["rows"]) > 5 and "shadow" in result["rows"]
-    assert "vs γ=6" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "vs γ=6" in printed and "per batch size" in printed and result["by_batch"]
