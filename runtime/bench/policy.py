@@ -13,8 +13,9 @@ runs on the same controllers, as `bench rollout` runs it on its policy. Measured
 neither, the policy read 1.00x γ=6 over 12 repeats; with both (8 repeats), 0.955x, near its 0.93-0.95x in
 `bench rollout`, and its shadow 1.005x: there the policy's choices lose, not its cost.
 
-`--by-batch`: also print the long tail per batch size (every configuration's rate there, what the policy ran, its
-cost per step); the JSON always has it (`by_batch`).
+`--by-batch`: also print the long tail per batch size (every configuration's rate there, what the policy ran, the
+speed it predicts there for its best proposer once the runs are over, its cost per step); the JSON always has it
+(`by_batch`, with each policy's table and step costs at the end: `estimates_at_end`).
 
 Reported on the common token mix (`rollout.mix_rates`: the plain runs' tokens per batch-size bucket, each timed at
 the configuration's own rate there): each configuration against γ=6, pooled and per repeat, and per bucket; and
@@ -113,7 +114,26 @@ def run(quick: bool, repeats: int, ring: bool, serving: bool, progress: Callable
                                               "machine": R.machine_info(engine, None),
                                               "calibration": cal.summary()})
     result["by_batch"] = by_batch(runs, chosen)
+    for row in result["by_batch"]:
+        row["estimates_at_end"] = {name: estimates_at(c if isinstance(c, AdaptiveController) else c.policy,
+                                                      row["batch_size"]) for name, c in learners.items()}
     return result
+
+
+def estimates_at(policy: AdaptiveController, batch: int) -> dict[str, Any]:
+    """What the policy believes at this batch size once the runs are over: its table (each option's predicted
+    speed against plain decoding, and γ), the plain step, and each draft length's verification and drafting in
+    plain steps. Where its choices lost, these say whether a cost or the acceptance was mispriced."""
+    costs = policy.costs
+    gammas = policy.settings.gammas()
+    out: dict[str, Any] = {"table": {("ar" if k is None else k): [round(speed, 3), d.gamma]
+                                     for k, (speed, d) in policy.table(batch).items()}}
+    if costs is not None:
+        out["plain_ms"] = round(1e3 * costs.t_ar(batch), 3)
+        out["verify_vs_plain"] = {g: round(v, 3) for g, v in costs.verify_ratios(batch, gammas).items()}
+        out["draft_vs_plain"] = {m: {g: round(v, 3) for g, v in costs.draft_ratios(m, batch, gammas).items()}
+                                 for m in policy.methods if costs.knows(m)}
+    return out
 
 
 def _decisions(controller: AdaptiveController | Shadow) -> dict[int, Counter[str]]:
@@ -197,16 +217,23 @@ def _batch_table(result: dict[str, Any]) -> Any:
     names = [n for n in ("ar", "draft_model-g2", "draft_model-g4", REFERENCE, "adaptive", "shadow")
              if n in result["rows"]]
     t = Table(title="long tail per batch size (tok/CPU-s, pooled over repeats; a few dozen steps each)")
-    for col in ("batch", *names, "adaptive vs best fixed", "adaptive ran (top 3)", "µs/step"):
+    def short(label: str) -> str:
+        return label.replace("draft_model", "dm").replace("quantized_self", "qs").replace("layer_skip", "ls")
+
+    for col in ("b", *(short(n) for n in names), "adaptive vs best fixed", "adaptive ran (top 3)",
+                "its best proposer at end (predicted)", "µs/step"):
         t.add_column(col)
     for row in rows:
         rates = row["tokens_per_cpu_s"]
         best = max((v for k, v in rates.items() if k in result["fixed"] and v), default=None)
         ours = rates.get("adaptive")
-        ran = ", ".join(f"{k} {n}" for k, n in list(row["chosen"].get("adaptive", {}).items())[:3])
+        ran = ", ".join(f"{short(k)} x{n}" for k, n in list(row["chosen"].get("adaptive", {}).items())[:3])
         us = row["policy_us_per_step"].get("adaptive")
+        table = {k: v for k, v in row["estimates_at_end"]["adaptive"]["table"].items() if k != "ar"}
+        lead = max(table, key=lambda k: table[k][0], default=None)
+        predicted = f"{short(lead)}:{table[lead][1]} {table[lead][0]:.2f}x plain" if lead else "n/a"
         t.add_row(str(row["batch_size"]), *("n/a" if rates.get(n) is None else f"{rates[n]:.0f}" for n in names),
-                  "n/a" if not best or ours is None else f"{ours / best:.2f}", ran,
+                  "n/a" if not best or ours is None else f"{ours / best:.2f}", ran, predicted,
                   "n/a" if us is None else f"{us:.0f}")
     return t
 

@@ -33,6 +33,12 @@ def test_bench_policy_quick_runs_the_shadow_as_gamma_6(tmp_path: Path) -> None:
             assert sum(row["chosen"][name].values()) == row["steps"][name]
             assert (row["policy_us_per_step"][name] is None) == (row["steps"][name] == 0)
     assert sum(row["steps"]["adaptive"] for row in result["by_batch"]) > 0
+    # and what each policy believes there at the end: plain decoding at 1.0 in its table, a cost for every length
+    for row in result["by_batch"]:
+        for name in ("adaptive", "shadow"):
+            believed = row["estimates_at_end"][name]
+            assert believed["table"]["ar"] == [1.0, 0] and believed["plain_ms"] > 0
+            assert sorted(believed["verify_vs_plain"]) == list(range(1, 9))
     json.dumps(result, default=str)
 
 
