@@ -217,6 +217,7 @@ def _batch_table(result: dict[str, Any]) -> Any:
     names = [n for n in ("ar", "draft_model-g2", "draft_model-g4", REFERENCE, "adaptive", "shadow")
              if n in result["rows"]]
     t = Table(title="long tail per batch size (tok/CPU-s, pooled over repeats; a few dozen steps each)")
+
     def short(label: str) -> str:
         return label.replace("draft_model", "dm").replace("quantized_self", "qs").replace("layer_skip", "ls")
 
