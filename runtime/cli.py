@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the serving shape runs between repeats on the same controllers")
             b.add_argument("--by-batch", action="store_true",
                            help="also print the long tail per batch size: each configuration's rate, what the "
-                                "policy ran, its cost per step")
+                                "policy ran, its cost per step, and the calibration against the steps")
         if name == "prefetch":
             b.add_argument("--model", default="builtin:smollm2-135m", metavar="NAME",
                            help="the checkpoint cut to its first N layers (default: %(default)s)")

@@ -15,7 +15,9 @@ neither, the policy read 1.00x γ=6 over 12 repeats; with both (8 repeats), 0.95
 
 `--by-batch`: also print the long tail per batch size (every configuration's rate there, what the policy ran, the
 speed it predicts there for its best proposer once the runs are over, its cost per step); the JSON always has it
-(`by_batch`, with each policy's table and step costs at the end: `estimates_at_end`).
+(`by_batch`, with each policy's table and step costs at the end: `estimates_at_end`), and beside it the
+calibration's plain step and verification costs per batch size against what the fixed configurations' steps measured
+on the long tail (`calibration_vs_run`): where the policy does not run an option, the calibration prices it.
 
 Reported on the common token mix (`rollout.mix_rates`: the plain runs' tokens per batch-size bucket, each timed at
 the configuration's own rate there): each configuration against γ=6, pooled and per repeat, and per bucket; and
@@ -38,6 +40,7 @@ import torch
 from ..engine.adaptive import AdaptiveController, AdaptiveSettings
 from ..engine.calibration import calibrate
 from ..engine.control import Decision, FixedController, StepRecord
+from ..engine.cost_model import CostModel, low_percentile
 from . import rollout as R
 
 REFERENCE = "draft_model-g6"
@@ -114,6 +117,7 @@ def run(quick: bool, repeats: int, ring: bool, serving: bool, progress: Callable
                                               "machine": R.machine_info(engine, None),
                                               "calibration": cal.summary()})
     result["by_batch"] = by_batch(runs, chosen)
+    result["calibration_vs_run"] = calibration_vs_run(cal.cost_model, runs, fixed)
     for row in result["by_batch"]:
         row["estimates_at_end"] = {name: estimates_at(c if isinstance(c, AdaptiveController) else c.policy,
                                                       row["batch_size"]) for name, c in learners.items()}
@@ -133,6 +137,36 @@ def estimates_at(policy: AdaptiveController, batch: int) -> dict[str, Any]:
         out["verify_vs_plain"] = {g: round(v, 3) for g, v in costs.verify_ratios(batch, gammas).items()}
         out["draft_vs_plain"] = {m: {g: round(v, 3) for g, v in costs.draft_ratios(m, batch, gammas).items()}
                                  for m in policy.methods if costs.knows(m)}
+    return out
+
+
+def calibration_vs_run(costs: CostModel, runs: dict[str, list[R.RunResult]], fixed: dict[str, Any]
+                       ) -> list[dict[str, Any]]:
+    """Per batch size, the calibration's plain step and verification costs (in plain steps) beside what the fixed
+    configurations' steps on the long tail measured (a low quantile of their forwards, `RunResult.forwards`: the
+    plain configuration's plain steps, the draft model's rounds at each of its γ). Wherever the policy does not run
+    an option its cost is the calibration's, moved only by the level of what does run there: a calibration taken
+    on short contexts, in caches its own steps kept warm, that prices verification high against a plain step errs
+    towards plain decoding, and nothing the policy then runs corrects it."""
+    plain_runs = [name for name, (m, _) in fixed.items() if m is None]
+    verifiers = [name for name, (m, _) in fixed.items() if m == "draft_model"]
+    sizes = sorted({b for name in plain_runs for x in runs[name] for b, k in x.forwards if k == 1})
+    out = []
+    for b in sizes:
+        plain = [t for name in plain_runs for x in runs[name] for t in x.forwards.get((b, 1), [])]
+        if len(plain) < 3:
+            continue
+        run_plain = low_percentile(plain, 0.25)
+        gammas = sorted({fixed[name][1] for name in verifiers})
+        calibrated = costs.verify_ratios(b, gammas)
+        verify = {}
+        for g in gammas:
+            xs = [t for name in verifiers for x in runs[name] for t in x.forwards.get((b, g + 1), [])]
+            verify[g] = {"calibration": round(calibrated[g], 3), "samples": len(xs),
+                         "run": round(low_percentile(xs, 0.25) / run_plain, 3) if len(xs) >= 3 else None}
+        out.append({"batch_size": b, "plain_ms": {"calibration": round(1e3 * costs.t_ar(b), 3),
+                                                  "run": round(1e3 * run_plain, 3), "samples": len(plain)},
+                    "verify_vs_plain": verify})
     return out
 
 
@@ -239,6 +273,27 @@ def _batch_table(result: dict[str, Any]) -> Any:
     return t
 
 
+def _calibration_table(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    rows = result["calibration_vs_run"]
+    gammas = sorted({int(g) for row in rows for g in row["verify_vs_plain"]})
+    t = Table(title="calibration vs the long tail's steps (plain step in ms; verification of γ+1 tokens in plain "
+                    "steps; calibration / run)")
+    for col in ("b", "plain ms", *(f"γ={g}" for g in gammas)):
+        t.add_column(col)
+
+    def pair(x: dict[str, Any], nd: int) -> str:
+        run = x.get("run")
+        return f"{x['calibration']:.{nd}f} / " + ("n/a" if run is None else f"{run:.{nd}f}")
+
+    for row in rows:
+        v = row["verify_vs_plain"]
+        t.add_row(str(row["batch_size"]), pair(row["plain_ms"], 2),
+                  *(pair(v[g], 2) if g in v else "n/a" for g in gammas))
+    return t
+
+
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -257,6 +312,7 @@ def main(args: argparse.Namespace) -> int:
     out.print(_table(result))
     if getattr(args, "by_batch", False):
         out.print(_batch_table(result))
+        out.print(_calibration_table(result))
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
         out.print(f"wrote {args.json}")

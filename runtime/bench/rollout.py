@@ -229,6 +229,7 @@ class Timeline:
         self.by_batch: dict[int, list[float]] = {}  # batch size -> [tokens, CPU seconds, wall seconds]
         self.policy_cpu = 0.0  # CPU seconds inside the controller's `decide` and `observe` (the policy's own cost)
         self.policy_by_batch: dict[int, list[float]] = {}  # batch size -> [decode steps, the policy's CPU seconds]
+        self.forwards: dict[tuple[int, int], list[float]] = {}  # see `RunResult.forwards`
         self._step_policy = 0.0  # this step's share of `policy_cpu` so far (its `decide`)
         self.steps = 0
         self._start = (0.0, 0.0)
@@ -262,9 +263,14 @@ class Timeline:
         policy[0] += 1
         policy[1] += self._step_policy + spent
         row = self.by_batch.setdefault(record.batch_size, [0.0, 0.0, 0.0])
+        step_cpu = self.cpu() - self._start[0]
         row[0] += record.emitted_tokens
-        row[1] += self.cpu() - self._start[0]
+        row[1] += step_cpu
         row[2] += self.now() - self._start[1]
+        if k := forward_tokens(record):
+            # timed as the calibration times it: the step's CPU seconds (its target share for a verification)
+            self.forwards.setdefault((record.batch_size, k), []).append(
+                step_cpu if k == 1 else record.target_seconds * step_cpu / record.seconds)
 
     def stats(self) -> dict[str, Any]:
         inner = getattr(self.inner, "stats", None)
@@ -289,6 +295,9 @@ class RunResult:
     policy_cpu_seconds: float = 0.0  # of `cpu_seconds`, in the controller's `decide` and `observe`
     steps: int = 0  # decode steps
     policy_by_batch: dict[int, list[float]] = field(default_factory=dict)  # [decode steps, policy CPU s]
+    # (batch size, tokens per row) -> the target forward's CPU seconds in each decode step that ran it on every row:
+    # plain steps (1 token) and rounds that drafted γ on every row (γ + 1), timed as `calibrate` times them
+    forwards: dict[tuple[int, int], list[float]] = field(default_factory=dict)
 
     @property
     def decode_tokens(self) -> int:
@@ -359,7 +368,15 @@ def run_engine(engine: RolloutEngine, controller: Any, prompts: list[list[int]],
                      forwards_per_token=sequence_forwards / max(s.generated_tokens, 1), tail_seconds=tail,
                      lengths=[len(o.token_ids) for o in outs], by_batch=timeline.by_batch,
                      prefill_seconds=s.prefill_seconds, policy_cpu_seconds=timeline.policy_cpu,
-                     steps=timeline.steps, policy_by_batch=timeline.policy_by_batch)
+                     steps=timeline.steps, policy_by_batch=timeline.policy_by_batch, forwards=timeline.forwards)
+
+
+def forward_tokens(record: StepRecord) -> int:
+    """The tokens per row of the step's target forward where every row ran it (a plain step: 1; a round that
+    drafted γ on every row: γ + 1), else 0 (a round some rows drafted less in, as `calibrate` leaves them out)."""
+    if not record.method or record.gamma < 1:
+        return 1
+    return record.gamma + 1 if record.draft_tokens == record.batch_size * record.gamma and record.seconds > 0 else 0
 
 
 @contextlib.contextmanager
