@@ -20,6 +20,20 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy. W
 * **plain rechecks**: every forward grows dearer with the rows' contexts, and speculation is worth only what it
   saves against a plain step *now*; while a proposer runs, a plain step every so often (at most `recheck_cost` of
   the time) keeps that cost current. Plain decoding's estimate reads only the last `horizon` steps.
+* **speculation rechecks**: the mirror image. Where plain decoding is chosen and nothing speculated at that batch
+  size for `horizon` steps, the leading proposer runs one step at its γ (at most one such step in `recheck`, none
+  where the table is settled; counted among the probe steps). An estimate that errs towards speculation is corrected by the steps it chooses (they
+  time the verification); one that errs towards plain decoding is not: plain steps time only themselves, and the
+  verifications there stay priced by the calibration, which is off by 10-30% per batch size against the tail's
+  own steps (`estimates.py`). Measured on a Zen 5 (32 MiB L3), `specrl bench policy --by-batch`: in a run whose
+  calibration priced 3 tokens at batch 16 at 2.41 plain steps (the tail's steps: 2.04), the policy decoded plainly
+  at batch 13-16 in 96 of 126 steps where draft_model γ=2 ran 1.10x plain decoding. In one ring with the
+  calibration's plain steps made 15% faster (every verification overpriced alike), the policy without rechecks
+  decoded plainly in 114 of 116 steps at batch 16 (0.84x draft_model γ=2 there, 0.93x on the whole workload's
+  common mix); with them it ran γ=2 there in 45 of 60 steps (0.97x and 0.97x). In three rings on unaltered
+  calibrations, with against without: 1.00x, 1.02x and 0.99x on the common mix (6 repeats each). Rechecks alone,
+  with plain steps' ratios still in the verifier's level, read 0.97x, 1.00x and 0.96x: a recheck's one
+  verification then hardly moved it (a low quantile of ratios that plain steps dominate).
 * **probes**: a share `probe` of the steps (bursts of `probe_run`, at batch sizes up to `probe_max_batch`, where
   speculation can pay) runs the option longest unmeasured, so a drafter that improves (it is trained while the
   job runs) or a machine that slows down is noticed. Only options that could change the choice are probed: with
@@ -287,6 +301,8 @@ class AdaptiveController:
         self.current = AR
         self.steps = self.sd_steps = self.probes = self.neighbours = 0
         self._counts: dict[int, Counter[str]] = {}
+        self._speculated_at: dict[int, int] = {}  # per batch size, the last step that speculated there
+        self._last_speculation_recheck = -(10 ** 9)
 
     @property
     def alpha(self) -> dict[str, float]:
@@ -456,7 +472,9 @@ class AdaptiveController:
             # no probe due. Most steps of a rollout end here (see "What a step costs the policy" in the module
             # docstring).
             held.counts[held.label] += 1
-            self.sd_steps += held.speculative
+            if held.speculative:
+                self.sd_steps += 1
+                self._speculated_at[held.batch] = self.steps
             self._report(held.decision)
             self._clock.start()
             return held.decision
@@ -475,6 +493,11 @@ class AdaptiveController:
             decision = probe or neighbour or self.choose(active_batch_size)
             if probe is None and neighbour is None and self._plain_is_stale(active_batch_size, decision):
                 self.current, probe, decision = decision, AR, AR
+            elif probe is None and neighbour is None and not is_speculative(decision) \
+                    and (option := self._speculation_recheck(active_batch_size)) is not None:
+                self.current, probe, decision = decision, option, option
+        if is_speculative(decision):
+            self._speculated_at[active_batch_size] = self.steps
         exploring = probe is not None or neighbour is not None
         if not exploring:
             self.current = decision
@@ -522,6 +545,24 @@ class AdaptiveController:
                 return measured + s.recheck
         gain = (options if options is not None else self.table(batch))[decision.method][0] - 1
         return measured + max(s.recheck, gain / s.recheck_cost)
+
+    def _speculation_recheck(self, batch: int) -> Decision | None:
+        """The leading proposer at its γ, to run this one step in place of the plain decoding chosen here, where
+        nothing speculated at this batch size for `horizon` steps (at most one such step in `recheck`, none where
+        the table is settled); else None. See "speculation rechecks" in the module docstring."""
+        s = self.settings
+        if batch > s.probe_max_batch or self.steps - self._speculated_at.get(batch, 0) <= s.horizon \
+                or self.steps - self._last_speculation_recheck < s.recheck:
+            return None
+        table = self._tables.get(batch_key(batch))
+        if table is None or table.settled:
+            return None
+        options = table.options
+        leader = max((k for k in options if k is not None), key=lambda k: options[k][0], default=None)
+        if leader is None:
+            return None
+        self._last_speculation_recheck = self.steps
+        return options[leader][1]
 
     def _hold(self, batch: int, decision: Decision, counts: Counter[str]) -> _Held | None:
         """`decision` held at this batch size until its table's next refresh or the next step a probe may start."""

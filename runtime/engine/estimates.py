@@ -9,11 +9,18 @@ from the engine's step records.
   there (`_pool_verify`). The verify and draft costs of one batch size are pooled over its lengths
   (`pooled_lengths`): each length's estimate (the verifier's: every length the policy may verify, on the line
   through the calibration's, `verify_line`) is its calibrated cost times the batch size's level (what every length
-  there costs now against the calibration, plain steps included for the verifier) and, as it gathers samples of its
-  own, its own ratio (`LENGTH_PRIOR`). Why: in a rollout's tail most batch sizes are visited for a few steps, and
-  per length a single sample decided the estimate; one slow step of γ=4 at batch 16 rescaled every longer length
-  with it and priced γ=6 at 4.65 plain steps where its rounds cost about 2.6 (fixed γ=6 ran 1.46x plain decoding
-  there; the policy chose γ=2).
+  there costs now against the calibration) and, as it gathers samples of its own, its own ratio (`LENGTH_PRIOR`).
+  Why: in a rollout's tail most batch sizes are visited for a few steps, and per length a single sample decided the
+  estimate; one slow step of γ=4 at batch 16 rescaled every longer length with it and priced γ=6 at 4.65 plain
+  steps where its rounds cost about 2.6 (fixed γ=6 ran 1.46x plain decoding there; the policy chose γ=2).
+  The verifier's level is the verifications' own wherever any ran at that batch size, and the plain steps' (their
+  ratio to the calibration's plain step) only where none did. Plain steps' ratios used to join it: but the
+  calibration does not time a plain step as the workload does (its plain steps run back to back on short contexts,
+  its verifications after a drafter's steps), and against the long tail's own steps it was off by 10-30% per batch
+  size, in either direction from one run to the next (`specrl bench policy --by-batch`, `calibration_vs_run`; Zen
+  5: at batch 16, 3 tokens at 2.41 plain steps where the tail's steps measured 2.04, and in another run 2.03 where
+  they measured 2.17). Where only plain steps ran, their level carried the calibration's ratio over unchanged; a
+  verification that ran there since, a speculation recheck's (`adaptive.py`), now sets it.
   Without a calibration a length no step has measured keeps its first estimate relative to the nearest measured
   one (`rescale_unmeasured`).
 * **acceptance**: α_m is accepted / tried draft tokens over an exponential window of `alpha_memory` tokens. Per
@@ -96,7 +103,8 @@ class Estimates:
         self._calibrated = CostModel.from_dict(cost_model.to_dict()) if cost_model is not None else None
         self._draft_base: dict[tuple[str, int], dict[int, float]] = {}  # per (proposer, b): `_draft_base_at`
         self._samples: dict[tuple, deque[tuple[int, float]]] = {}  # per quantity: (step, seconds), oldest first
-        # per ("verify", b) or ("draft", m, b): the costs of every length there against its base, newest last
+        # per ("verify", b), ("plain", b) or ("draft", m, b): the costs of every length there (of the plain step,
+        # for ("plain", b)) against its base, newest last
         self._levels: dict[tuple, deque[float]] = {}
         self._own: dict[tuple, dict[int, tuple[int, float]]] = {}  # the same keys: per length, (samples, own ratio)
         self._verify_base: dict[int, dict[int, float]] = {}  # per b: the calibration's verify seconds per length
@@ -107,9 +115,9 @@ class Estimates:
 
     @property
     def costs(self) -> CostModel | None:
-        """The step costs as estimated now. A plain step's record moves its batch size's verify costs with the
-        level (`pooled_lengths`); that pooling waits until something reads the costs: in a run of plain steps it
-        was a third of folding each record, and only its last result is ever read."""
+        """The step costs as estimated now. A plain step's record moves its batch size's verify costs with its
+        level where no verification ran there (`_pool_verify`); that pooling waits until something reads the costs:
+        in a run of plain steps it was a third of folding each record, and only its last result is ever read."""
         if self._unpooled:
             pending, self._unpooled = self._unpooled, {}
             for b, base in pending.items():
@@ -222,7 +230,7 @@ class Estimates:
                 self._costs = CostModel(target_step={b: t}, verify_step={})
             self._costs.target_step[b] = t
             if (base := self._verify_base_at(b)) is not None:
-                self._level(("verify", b), record.seconds / base[1])
+                self._level(("plain", b), record.seconds / base[1])
                 self._unpooled[b] = base
             else:
                 self._follow(b)
@@ -334,7 +342,11 @@ class Estimates:
         return pooled_lengths(base, list(self._levels.get(key, ())), self._own.get(key, {}))
 
     def _pool_verify(self, b: int, base: Mapping[int, float]) -> None:
-        pooled = self._pooled(("verify", b), base)
+        # The verifications' own level where any ran at this batch size; plain steps' only where none did. A plain
+        # step's ratio to the calibration's plain step says what a verification costs only if the calibration
+        # timed the two alike, and it did not (see the module docstring's step costs).
+        level = self._levels.get(("verify", b)) or self._levels.get(("plain", b))
+        pooled = pooled_lengths(base, list(level or ()), self._own.get(("verify", b), {}))
         plain = pooled.pop(1)
         assert self._costs is not None
         self._costs.verify_step.setdefault(b, {}).update(pooled)
