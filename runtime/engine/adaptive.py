@@ -22,18 +22,18 @@ argmax over {plain} ∪ {(m, γ)} of that ratio — that is all of the policy. W
   the time) keeps that cost current. Plain decoding's estimate reads only the last `horizon` steps.
 * **speculation rechecks**: the mirror image. Where plain decoding is chosen and nothing speculated at that batch
   size for `horizon` steps, the leading proposer runs one step at its γ (at most one such step in `recheck`, none
-  where the table is settled; counted among the probe steps). An estimate that errs towards speculation is corrected by the steps it chooses (they
-  time the verification); one that errs towards plain decoding is not: plain steps time only themselves, and the
-  verifications there stay priced by the calibration, which is off by 10-30% per batch size against the tail's
-  own steps (`estimates.py`). Measured on a Zen 5 (32 MiB L3), `specrl bench policy --by-batch`: in a run whose
-  calibration priced 3 tokens at batch 16 at 2.41 plain steps (the tail's steps: 2.04), the policy decoded plainly
-  at batch 13-16 in 96 of 126 steps where draft_model γ=2 ran 1.10x plain decoding. In one ring with the
-  calibration's plain steps made 15% faster (every verification overpriced alike), the policy without rechecks
-  decoded plainly in 114 of 116 steps at batch 16 (0.84x draft_model γ=2 there, 0.93x on the whole workload's
-  common mix); with them it ran γ=2 there in 45 of 60 steps (0.97x and 0.97x). In three rings on unaltered
-  calibrations, with against without: 1.00x, 1.02x and 0.99x on the common mix (6 repeats each). Rechecks alone,
-  with plain steps' ratios still in the verifier's level, read 0.97x, 1.00x and 0.96x: a recheck's one
-  verification then hardly moved it (a low quantile of ratios that plain steps dominate).
+  where the table is settled; counted among the probe steps). An estimate that errs towards speculation is corrected
+  by the steps it chooses (they time the verification); one that errs towards plain decoding is not: plain steps
+  time only themselves, and the verifications there stay priced by the calibration, which is off by 10-30% per batch
+  size against the tail's own steps (`estimates.py`). Measured on a Zen 5 (32 MiB L3), `specrl bench policy
+  --by-batch`: in a run whose calibration priced 3 tokens at batch 16 at 2.41 plain steps (the tail's steps: 2.04),
+  the policy decoded plainly at batch 13-16 in 96 of 126 steps where draft_model γ=2 ran 1.08-1.12x plain decoding
+  (at 13, 14 and 16). In one ring with the calibration's plain steps made 15% faster (every verification overpriced
+  alike), the policy without rechecks decoded plainly in 114 of 116 steps at batch 16 (0.84x draft_model γ=2 there,
+  0.93x on the whole workload's common mix); with them it ran γ=2 there in 45 of 60 steps (0.97x and 0.97x). In
+  three rings on unaltered calibrations, with against without: 1.00x, 1.02x and 0.98x on the common mix (6 repeats
+  each). Rechecks alone, with plain steps' ratios still in the verifier's level, read 0.97x, 1.00x and 0.96x: a
+  recheck's one verification then hardly moved it (a low quantile of ratios that plain steps dominate).
 * **probes**: a share `probe` of the steps (bursts of `probe_run`, at batch sizes up to `probe_max_batch`, where
   speculation can pay) runs the option longest unmeasured, so a drafter that improves (it is trained while the
   job runs) or a machine that slows down is noticed. Only options that could change the choice are probed: with
