@@ -144,12 +144,13 @@ def calibration_vs_run(costs: CostModel, runs: dict[str, list[R.RunResult]], fix
                        ) -> list[dict[str, Any]]:
     """Per batch size, the calibration's plain step and verification costs (in plain steps) beside what the fixed
     configurations' steps on the long tail measured (a low quantile of their forwards, `RunResult.forwards`: the
-    plain configuration's plain steps, the draft model's rounds at each of its γ). Wherever the policy does not run
-    an option its cost is the calibration's, moved only by the level of what does run there: a calibration taken
-    on short contexts, in caches its own steps kept warm, that prices verification high against a plain step errs
-    towards plain decoding, and nothing the policy then runs corrects it."""
+    plain configuration's plain steps, the draft model's rounds at each of its γ). Wherever the policy has not run
+    an option lately its cost is the calibration's, moved by the level of what does run there: a calibration that
+    prices verification high against a plain step leans the policy towards plain decoding until a speculation
+    recheck times a verification (`adaptive.py`)."""
     plain_runs = [name for name, (m, _) in fixed.items() if m is None]
     verifiers = [name for name, (m, _) in fixed.items() if m == "draft_model"]
+    gammas = sorted({fixed[name][1] for name in verifiers})
     sizes = sorted({b for name in plain_runs for x in runs[name] for b, k in x.forwards if k == 1})
     out = []
     for b in sizes:
@@ -157,7 +158,6 @@ def calibration_vs_run(costs: CostModel, runs: dict[str, list[R.RunResult]], fix
         if len(plain) < 3:
             continue
         run_plain = low_percentile(plain, 0.25)
-        gammas = sorted({fixed[name][1] for name in verifiers})
         calibrated = costs.verify_ratios(b, gammas)
         verify = {}
         for g in gammas:
